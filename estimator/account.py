@@ -1,0 +1,114 @@
+"""Turn captured allocation events into bytes: live memory by category after every op.
+
+``account(raw)`` replays the events in order.  At op ``i`` the candidate peak is everything
+alive before it, plus what it allocates, plus its kernel-internal scratch (corrections); the
+storages Python or autograd drop after it are subtracted before op ``i + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from estimator.capture.trace import RawCapture
+from estimator.categories import Category, Phase
+from estimator.symbolic import ZERO, Poly, fit
+
+CATEGORIES = tuple(Category)
+_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
+_TEMP = _INDEX[Category.TEMPORARY]
+Vector = tuple[Poly, ...]  # bytes per category, in CATEGORIES order
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    """Memory at one op of the step."""
+
+    index: int
+    op: str  # aten overload
+    node: str | None  # fx node name
+    phase: Phase
+    module: str
+    live: Vector  # bytes alive by category while the op runs (outputs + scratch included)
+    allocated: Vector  # bytes this op allocated, by category
+
+    @property
+    def total(self) -> Poly:
+        return _sum(self.live)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The memory of one step, op by op."""
+
+    baseline: Vector  # alive before the step: parameters, buffers, inputs, optimizer state
+    ops: tuple[OpMemory, ...]
+    # For each storage: (bytes, category, allocating op or -1, op after which it is freed or None).
+    storages: tuple[tuple[Poly, Category, int, int | None], ...]
+
+    def alive_at(self, index: int):
+        """The storages alive while op ``index`` runs."""
+        return [s for s in self.storages if s[2] <= index and (s[3] is None or s[3] >= index)]
+
+
+def _sum(vector: Vector) -> Poly:
+    total = ZERO
+    for p in vector:
+        total = total + p
+    return total
+
+
+def account(raw: RawCapture) -> Timeline:
+    current = [ZERO] * len(CATEGORIES)
+    freed_after: dict[int, int] = {}
+    for i, event in enumerate(raw.ops):
+        for sid in event.frees:
+            freed_after[sid] = i
+    for storage in raw.storages.values():
+        if storage.op < 0:
+            current[_INDEX[storage.category]] += storage.nbytes
+    baseline = tuple(current)
+
+    ops = []
+    for i, event in enumerate(raw.ops):
+        allocated = [ZERO] * len(CATEGORIES)
+        for sid in event.allocs:
+            storage = raw.storages[sid]
+            allocated[_INDEX[storage.category]] += storage.nbytes
+        current = [c + a for c, a in zip(current, allocated)]
+        live = list(current)
+        live[_TEMP] += event.transient
+        ops.append(OpMemory(i, event.name, event.node, event.phase, event.module, tuple(live), tuple(allocated)))
+        for sid in event.frees:
+            storage = raw.storages[sid]
+            current[_INDEX[storage.category]] -= storage.nbytes
+
+    storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
+    return Timeline(baseline, tuple(ops), storages)
+
+
+def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline]) -> Timeline:
+    """One timeline with bytes linear in ``b`` from concrete timelines at several batch sizes.
+
+    The op sequences must be identical: the caller checks that.
+    """
+    first = timelines[0]
+
+    def fit_vector(vectors: Sequence[Vector]) -> Vector:
+        return tuple(fit([(b, v[k](0)) for b, v in zip(batches, vectors)]) for k in range(len(CATEGORIES)))
+
+    ops = tuple(
+        OpMemory(
+            op.index, op.op, op.node, op.phase, op.module,
+            fit_vector([t.ops[i].live for t in timelines]),
+            fit_vector([t.ops[i].allocated for t in timelines]),
+        )
+        for i, op in enumerate(first.ops)
+    )
+    storages = first.storages
+    if all(len(t.storages) == len(storages) for t in timelines):
+        storages = tuple(
+            (fit([(b, t.storages[k][0](0)) for b, t in zip(batches, timelines)]),) + storages[k][1:]
+            for k in range(len(storages))
+        )
+    return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages)

@@ -1,0 +1,208 @@
+"""Run the user's step on fake tensors and record it: an fx graph plus allocation events.
+
+``capture(..., symbolic=True)`` makes dim 0 of the sample one symbol and records bytes as
+polynomials in ``b``; ``symbolic=False`` runs at one concrete batch size (the fallback path
+runs it at several sizes and fits, see ``estimator.estimate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from estimator import step
+from estimator.capture.fake import fake_model, fake_sample
+from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
+from estimator.categories import Category, Mode, Phase
+from estimator.errors import CaptureError, FxmemError, SymbolicCaptureFailed
+from estimator.symbolic import B, NotPolynomial, Poly
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What step to run: the mode, the optimizer factory (train) and the loss function."""
+
+    mode: Mode
+    optimizer: step.OptimizerFactory | None
+    loss_fn: step.LossFn
+
+
+@dataclass
+class RawCapture:
+    """The events of one captured step; bytes already polynomials in ``b``."""
+
+    ops: list[OpEvent]
+    storages: dict[int, Storage]
+    graph: fx.GraphModule
+    valid_from: int  # the range of b where the capture holds (from the shape guards)
+    valid_to: int | None
+    guards: tuple[str, ...]
+
+
+def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool) -> RawCapture:
+    """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``)."""
+    shape_env = ShapeEnv() if symbolic else None
+    mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
+    fmodel = fake_model(model, mode)
+    fsample = fake_sample(sample, mode, batch, symbolic)
+    optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
+    tracker = Tracker({id(m): name for name, m in fmodel.named_modules()})
+
+    leaves, tree = tree_flatten(fsample)
+    unique = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+    position = {id(t): i for i, t in enumerate(unique)}
+
+    traced_inputs = []
+
+    def traced(*tensors):
+        traced_inputs.extend(tensors)  # make_fx re-fakes its inputs: new symbols
+        sample_ = tree_unflatten(
+            [tensors[position[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves], tree
+        )
+        for category, tensors_ in step.state_tensors(fmodel, optimizer, sample_).items():
+            tracker.register(tensors_, category)
+        with tracker, _module_hooks(tracker):
+            result = step.run(fmodel, sample_, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel))
+        tracker.flush()
+        _label_storages(tracker, fmodel, optimizer, phase_ended=Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
+        return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)][:1]
+
+    with _errors_named(symbolic), mode:
+        # Steady state: optimizer state is created lazily by the first step().
+        warmup = step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn)
+        del warmup
+        graph = make_fx(traced, tracing_mode="fake")(*unique)
+
+    if not symbolic:
+        storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes))) for sid, s in tracker.storages.items()}
+        for op in tracker.ops:
+            op.transient = Poly.const(int(op.transient))
+        return RawCapture(tracker.ops, storages, graph, batch, batch, ())
+    return _to_batch_symbol(tracker, graph, shape_env, [*unique, *traced_inputs])
+
+
+def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
+    return Storage(nbytes, storage.category, storage.op)
+
+
+def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, inputs: list[torch.Tensor]) -> RawCapture:
+    """Map the batch symbols (the warm-up's and the traced inputs') to ``b``; read the guards."""
+    # A fake input's storage size can carry a symbol of its own besides its shape's.
+    symbols = set()
+    for t in inputs:
+        for value in (t.shape[0], t.untyped_storage().nbytes()):
+            symbols |= sympy.sympify(as_expr(value)).free_symbols
+    lo, hi = 2, None
+    for symbol in symbols:
+        resolved = shape_env.replace(symbol)
+        if not isinstance(resolved, sympy.Symbol):
+            raise SymbolicCaptureFailed(f"the batch size was specialized to {resolved} by the model's code")
+        value_range = shape_env.var_to_range[resolved]
+        lo = max(lo, int(value_range.lower))
+        if value_range.upper.is_Integer:  # else int_oo: unbounded
+            hi = int(value_range.upper) if hi is None else min(hi, int(value_range.upper))
+    to_b = {shape_env.replace(s): B for s in symbols} | {s: B for s in symbols}
+    guards = tuple(dict.fromkeys(
+        str(g.expr.xreplace(to_b)) for g in shape_env.guards if g.expr.free_symbols & set(to_b)
+    ))
+
+    def to_poly(value) -> Poly:
+        if isinstance(value, int):
+            return Poly.const(value)
+        expr = shape_env.replace(sympy.sympify(value)).xreplace(to_b)
+        try:
+            return Poly.of(expr)
+        except NotPolynomial as exc:
+            raise SymbolicCaptureFailed(f"a byte count is not a polynomial in b: {exc}") from exc
+
+    storages = {sid: _with_bytes(s, to_poly(s.nbytes)) for sid, s in tracker.storages.items()}
+    for op in tracker.ops:
+        op.transient = to_poly(op.transient)
+    return RawCapture(tracker.ops, storages, graph, lo, hi, guards)
+
+
+def _on_phase(tracker: Tracker, model: nn.Module):
+    def on_phase(phase: Phase) -> None:
+        _label_storages(tracker, model, None, phase_ended=tracker.phase)
+        tracker.phase = phase
+
+    return on_phase
+
+
+def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: Phase) -> None:
+    """Name what a phase leaves behind: forward allocations still alive when it ends are
+    activations (saved for backward, and the outputs); grads alive after backward are
+    gradients; tensors in the optimizer's state are optimizer state."""
+    if phase_ended is Phase.FORWARD:
+        for key in tracker.alive_keys():
+            storage = tracker.storages[key]
+            if storage.op >= 0 and tracker.ops[storage.op].phase is Phase.FORWARD:
+                if storage.category is Category.TEMPORARY:
+                    storage.category = Category.ACTIVATION
+    elif phase_ended is Phase.BACKWARD:
+        for p in model.parameters():
+            if p.grad is not None:
+                _relabel(tracker, p.grad, Category.GRADIENT)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for t in tree_flatten(state)[0]:
+                if isinstance(t, torch.Tensor):
+                    _relabel(tracker, t, Category.OPTIMIZER_STATE)
+
+
+def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
+    key = tracker.key_of(t)
+    if key is not None and tracker.storages[key].op >= 0:
+        tracker.storages[key].category = category
+
+
+@contextlib.contextmanager
+def _module_hooks(tracker: Tracker):
+    """Module paths for every op: global forward hooks, removed on exit."""
+    pre = nn.modules.module.register_module_forward_pre_hook(lambda m, args: tracker.enter_module(m))
+    post = nn.modules.module.register_module_forward_hook(lambda m, args, out: tracker.exit_module(m))
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+@contextlib.contextmanager
+def _errors_named(symbolic: bool):
+    """Turn an exception from deep inside torch into one that names the op or line."""
+    try:
+        yield
+    except FxmemError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with a clear message
+        where = _user_frame(exc)
+        message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if where:
+            message += f" (at {where})"
+        cls = SymbolicCaptureFailed if symbolic else CaptureError
+        raise cls(f"the model could not be run on fake tensors: {message}") from exc
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost frame of the traceback outside torch and fxmem: the user's line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_INTERNAL):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+    return None

@@ -1,0 +1,182 @@
+"""Record every storage a step allocates and when Python/autograd really frees it.
+
+A ``TorchDispatchMode`` sees each aten op's outputs.  A storage not seen before is an
+allocation; a weak reference on it records the free at the moment the last real reference
+dies (Python locals, autograd saved tensors, optimizer state…).  Views and in-place ops reuse
+a storage, so they cost nothing.  The result is a list of raw events; turning them into bytes
+by category is ``estimator.account``'s job.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.passes.shape_prop import TensorMetadata
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from estimator import corrections
+from estimator.categories import Category, Phase
+
+# Ops that bookkeep rather than compute: never an allocation.
+_SKIP = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+    torch.ops.prim.device.default,
+}
+
+
+@dataclass
+class Storage:
+    nbytes: Any  # int, or a SymInt's sympy expression in the shape-env symbols
+    category: Category
+    op: int  # index of the op that allocated it; -1 for state alive before the step
+
+
+@dataclass
+class OpEvent:
+    name: str  # aten overload, e.g. "aten.addmm.default"
+    node: str | None  # the fx node recorded for this op (None when not tracing to fx)
+    phase: Phase
+    module: str  # module path ("" for the root / outside any module)
+    allocs: list[int] = field(default_factory=list)
+    frees: list[int] = field(default_factory=list)  # freed after this op, before the next
+    transient: Any = 0  # kernel-internal bytes alive only during this op (corrections)
+
+
+def as_expr(value: Any) -> Any:
+    """An int, or the sympy expression of a SymInt.
+
+    Arithmetic on SymInts would be recorded into the fx graph by make_fx; on their sympy
+    expressions it is plain bookkeeping.
+    """
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return value
+
+
+def _metadata(t: torch.Tensor) -> TensorMetadata:
+    # Not shape_prop's extractor: its contiguity queries would add shape guards.
+    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride(), None, False, {})
+
+
+def _storage_id(storage: torch.UntypedStorage) -> int:
+    return storage._cdata
+
+
+class Tracker(TorchDispatchMode):
+    """Records allocations and frees of storages, op by op."""
+
+    def __init__(self, module_names: dict[int, str]):
+        super().__init__()
+        self.storages: dict[int, Storage] = {}
+        self.ops: list[OpEvent] = []
+        self.phase = Phase.FORWARD
+        # Storage address -> (key in self.storages, weak reference).  Addresses are reused
+        # after a free, so the records are keyed by a counter instead.
+        self._alive: dict[int, tuple[int, weakref.ref]] = {}
+        self._pending_frees: list[int] = []
+        self._module_names = module_names
+        self._module_stack: list[str] = []
+        self._module_of_seq: dict[int, str] = {}  # autograd sequence nr -> module (for backward)
+        self._last_node = None
+
+    # -- state alive before the step -------------------------------------------------
+    def register(self, tensors: list[torch.Tensor], category: Category) -> None:
+        for t in tensors:
+            self._track(t.untyped_storage(), category, -1)
+
+    def _track(self, storage: torch.UntypedStorage, category: Category, op: int, extra: Any = 0) -> int | None:
+        """Start tracking ``storage``; its key, or None if it is tracked already."""
+        address = _storage_id(storage)
+        if address in self._alive:
+            return None
+        key = len(self.storages)
+        self.storages[key] = Storage(as_expr(storage.nbytes()) + as_expr(extra), category, op)
+        self._alive[address] = (key, weakref.ref(storage, lambda _, a=address: self._free(a)))
+        return key
+
+    def _free(self, address: int) -> None:
+        entry = self._alive.pop(address, None)
+        if entry is not None:
+            self._pending_frees.append(entry[0])
+
+    def key_of(self, t: torch.Tensor) -> int | None:
+        """The key of the tracked storage of ``t`` (None when not tracked)."""
+        entry = self._alive.get(_storage_id(t.untyped_storage()))
+        return None if entry is None else entry[0]
+
+    def alive_keys(self) -> set[int]:
+        return {key for key, _ in self._alive.values()}
+
+    def flush(self) -> None:
+        """Attach frees seen since the last op to it (call when the step ends)."""
+        if self.ops:
+            self.ops[-1].frees += self._pending_frees
+        self._pending_frees = []
+
+    # -- module paths -------------------------------------------------------------------
+    def enter_module(self, module: torch.nn.Module) -> None:
+        self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
+
+    def exit_module(self, module: torch.nn.Module) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def _current_module(self) -> str:
+        if self.phase is Phase.BACKWARD:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                return self._module_of_seq.get(node._sequence_nr(), "")
+            return ""
+        return self._module_stack[-1] if self._module_stack else ""
+
+    def _new_fx_nodes(self) -> str | None:
+        """The name of the fx node make_fx recorded for this op (None when not tracing).
+
+        make_fx keeps each output's fake value in ``node.meta["val"]``, which would keep every
+        storage alive until tracing ends; we replace it with shape metadata so that frees
+        happen when the program really drops its references.
+        """
+        mode = get_proxy_mode()
+        if mode is None:
+            return None
+        graph = mode.tracer.graph
+        node = graph._root.prev
+        while node.op != "root" and node is not self._last_node:
+            value = node.meta.get("val")
+            if value is not None and not isinstance(value, torch.nn.Parameter):
+                node.meta["tensor_meta"] = tree_map_only(torch.Tensor, _metadata, value)
+                del node.meta["val"]
+            node = node.prev
+        self._last_node = graph._root.prev
+        return None if self._last_node.op == "root" else self._last_node.name
+
+    # -- the dispatch hook ---------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _SKIP:
+            return out
+        self.flush()
+        module = self._current_module()
+        if self.phase is Phase.FORWARD and torch.is_grad_enabled():
+            # The autograd node of this op was created just before dispatch.
+            self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
+        event = OpEvent(str(func), self._new_fx_nodes(), self.phase, module)
+        index = len(self.ops)
+        self.ops.append(event)
+        fix = corrections.lookup(func, args, kwargs, out)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for i, t in enumerate(outputs):
+            key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))
+            if key is not None:
+                event.allocs.append(key)
+        event.transient = as_expr(fix.transient_bytes)
+        return out
+
+

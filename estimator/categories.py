@@ -1,0 +1,30 @@
+"""What a byte of memory is for, and when in the step it was allocated."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Category(str, enum.Enum):
+    """Memory categories (as in PyTorch's MemTracker `_MemRefType`, plus inputs)."""
+
+    PARAMETER = "parameters"
+    BUFFER = "buffers"
+    INPUT = "inputs"
+    GRADIENT = "gradients"
+    OPTIMIZER_STATE = "optimizer state"
+    ACTIVATION = "activations"  # saved for backward by autograd
+    TEMPORARY = "temporaries"  # everything else allocated during the step
+
+
+class Phase(str, enum.Enum):
+    """Where in the step an op runs. The loss belongs to the forward phase."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+    INFERENCE = "inference"

@@ -1,0 +1,17 @@
+"""Errors raised by fxmem. Every message names the problem and what to do about it."""
+
+
+class FxmemError(Exception):
+    """Base class of every error fxmem raises on purpose."""
+
+
+class InputError(FxmemError, ValueError):
+    """The arguments given to fxmem are wrong (model, sample, batch, budget, optimizer…)."""
+
+
+class CaptureError(FxmemError, RuntimeError):
+    """The model could not be run on fake tensors; the message names the op or line."""
+
+
+class SymbolicCaptureFailed(CaptureError):
+    """The symbolic-batch capture failed; the concrete fallback may still succeed."""

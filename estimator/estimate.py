@@ -1,0 +1,257 @@
+"""``estimator.report()``: check the inputs, capture, account, find the peak, build the Report."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from estimator import step
+from estimator.account import CATEGORIES, Timeline, account, fit_timelines
+from estimator.capture.trace import StepSpec, capture
+from estimator.categories import Category, Mode, Phase
+from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
+from estimator.report.result import CapturePath, ModuleRow, Piece, Report
+from estimator.symbolic import ZERO, NotPolynomial, Poly, nondominated
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("cpu", "cuda")
+CUDA_NOT_MODELLED = (
+    "device='cuda' is not modelled yet: this is the CPU execution of the step. Not included: "
+    "the CUDA caching allocator's rounding and segments (max_memory_reserved), the cuBLAS "
+    "workspace, what CUDA kernels save (SDPA backends, cuDNN), the optimizer's foreach "
+    "implementation on CUDA, and the CUDA context."
+)
+# Batch sizes of the concrete fallback, offsets from the requested batch (>= 2).
+FALLBACK_OFFSETS = (0, 1, 2)
+
+
+def report(
+    model: nn.Module,
+    sample: Any,
+    batch: int | None = None,
+    mode: str = "train",
+    optimizer: str | step.OptimizerFactory | None = "adamw",
+    loss_fn: step.LossFn | None = None,
+    device: str = "cpu",
+) -> Report:
+    """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
+
+    Nothing runs on real data: the step runs once on fake tensors with a symbolic batch size,
+    so the result is a formula in ``b`` that ``Report.at`` / ``Report.max_batch`` evaluate.
+
+    Args:
+        model: the ``nn.Module`` (real or ``meta``-device weights; it is not modified).
+        sample: one example input: a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``);
+            dim 0 of every tensor is the batch, of any size.
+        batch: the batch size to evaluate at (default: the sample's).
+        mode: ``"train"`` (forward, loss, backward, optimizer step) or ``"inference"``
+            (``eval()`` + ``no_grad``).
+        optimizer: a name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, …), a callable
+            ``params -> Optimizer``, or None (no optimizer step).
+        loss_fn: ``loss_fn(output, sample) -> scalar``; default ``output.loss`` if present, else
+            the mean of the first floating-point output.
+        device: the target whose memory is predicted: ``"cpu"`` (exact against PyTorch's CPU
+            allocator) or ``"cuda"`` (CPU execution for now; the report says what is missing).
+
+    Returns:
+        A frozen ``Report``.
+
+    Example:
+        >>> import torch, estimator
+        >>> model = torch.nn.Linear(16, 4)
+        >>> rep = estimator.report(model, torch.randn(8, 16), batch=32, optimizer="sgd")
+        >>> rep.peak_bytes == rep.at(32)
+        True
+
+    Known limitations: memory must be polynomial in ``b`` (models whose batch rows interact
+    through data-dependent shapes cannot be captured); sample tensors become contiguous.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sample_batch = _sample_batch(sample)
+    batch = sample_batch if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        raise InputError(f"batch must be a positive int, got {batch!r}")
+    try:
+        mode_ = Mode(mode)
+    except ValueError:
+        raise InputError(f"mode must be 'train' or 'inference', got {mode!r}") from None
+    device_ = str(device.type if isinstance(device, torch.device) else device)
+    if device_ not in DEVICES:
+        raise InputError(f"device must be one of {DEVICES}, got {device!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
+    factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
+    spec = StepSpec(mode_, factory, loss_fn or step.default_loss)
+
+    hint = max(batch, 2)
+    graph, notes = None, []
+    try:
+        raw = capture(model, sample, spec, hint, symbolic=True)
+        timeline, path = account(raw), CapturePath.SYMBOLIC
+        valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
+    except SymbolicCaptureFailed as exc:
+        log.info("symbolic capture failed (%s); fitting concrete captures", exc)
+        timeline, graph = _concrete(model, sample, spec, hint, exc)
+        path, guards = CapturePath.CONCRETE, ()
+        valid_from, valid_to = hint, None
+        notes.append(
+            f"symbolic capture failed ({exc}); the formula is fitted from fake runs at "
+            f"b = {', '.join(str(hint + k) for k in FALLBACK_OFFSETS)} and assumed linear beyond"
+        )
+    if device_ == "cuda":
+        notes.append(CUDA_NOT_MODELLED)
+    candidates = [op.total for op in timeline.ops] or [sum(timeline.baseline, ZERO)]
+    keep = nondominated(candidates, valid_from, valid_to)
+    pieces = tuple(_piece(timeline, i) for i in keep)
+
+    outside = batch < valid_from or (valid_to is not None and batch > valid_to)
+    at_batch = timeline
+    if outside:  # the formula does not hold here: capture this batch size itself
+        at_batch = account(capture(model, sample, spec, batch, symbolic=False))
+        notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
+    peak_index = _argmax(at_batch, batch)
+    peak_op = at_batch.ops[peak_index] if at_batch.ops else None
+    live = peak_op.live if peak_op else at_batch.baseline
+    breakdown = {c: v(batch) for c, v in zip(CATEGORIES, live)}
+
+    if mode_ is Mode.TRAIN and optimizer is None:
+        notes.append("optimizer=None: no optimizer step and no optimizer state")
+    return Report(
+        model=type(model).__name__,
+        mode=mode_,
+        device=device_,
+        optimizer=_optimizer_name(optimizer) if mode_ is Mode.TRAIN else None,
+        batch=batch,
+        peak_bytes=sum(breakdown.values()),
+        pieces=pieces,
+        breakdown=breakdown,
+        breakdown_formula=dict(zip(CATEGORIES, live)),
+        peak_piece=_piece(at_batch, peak_index) if peak_op else pieces[0],
+        path=path,
+        valid_from=valid_from,
+        valid_to=valid_to,
+        guards=guards,
+        modules=_module_rows(model, at_batch, peak_index),
+        notes=tuple(notes),
+        timeline=timeline,
+        graph=graph,
+        batch_outside_range=outside,
+    )
+
+
+def _sample_batch(sample: Any) -> int:
+    if isinstance(sample, torch.Tensor):
+        tensors = [sample]
+    elif isinstance(sample, (Mapping, Sequence)) and not isinstance(sample, (str, bytes)):
+        tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
+    else:
+        raise InputError(
+            f"sample must be a tensor, a tuple/list or a dict of tensors, got {type(sample).__name__}"
+        )
+    if not tensors:
+        raise InputError("the sample holds no tensor: give at least one tensor whose dim 0 is the batch")
+    sizes = {}
+    for path, t in _named_tensors(sample):
+        if t.dim() == 0:
+            raise InputError(f"sample tensor {path or 'sample'} is a scalar: every tensor needs dim 0 = batch")
+        sizes.setdefault(t.shape[0], path or "sample")
+    if len(sizes) > 1:
+        detail = ", ".join(f"{name}: {size}" for size, name in sizes.items())
+        raise InputError(f"the sample's tensors disagree on the batch size (dim 0): {detail}")
+    return next(iter(sizes))
+
+
+def _named_tensors(sample: Any, prefix: str = ""):
+    if isinstance(sample, torch.Tensor):
+        yield prefix, sample
+    elif isinstance(sample, Mapping):
+        for k, v in sample.items():
+            yield from _named_tensors(v, f"{prefix}[{k!r}]")
+    elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
+        for i, v in enumerate(sample):
+            yield from _named_tensors(v, f"{prefix}[{i}]")
+
+
+def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception) -> tuple[Timeline, Any]:
+    batches = [hint + k for k in FALLBACK_OFFSETS]
+    raws = [capture(model, sample, spec, b, symbolic=False) for b in batches]
+    sequences = [[op.name for op in raw.ops] for raw in raws]
+    for b, seq in zip(batches[1:], sequences[1:]):
+        if seq != sequences[0]:
+            first = next(i for i, (x, y) in enumerate(zip(sequences[0], seq)) if x != y) if len(seq) == len(
+                sequences[0]) else min(len(seq), len(sequences[0]))
+            raise CaptureError(
+                f"symbolic capture failed ({why}) and the concrete fallback runs different ops at "
+                f"b={batches[0]} and b={b} (first difference at op {first}): the memory of this model "
+                "is not one formula in the batch size"
+            )
+    try:
+        return fit_timelines(batches, [account(r) for r in raws]), raws[0].graph
+    except NotPolynomial as exc:
+        raise CaptureError(f"symbolic capture failed ({why}) and memory is not linear in b: {exc}") from exc
+
+
+def _argmax(timeline: Timeline, b: int) -> int:
+    best, index = None, 0
+    for i, op in enumerate(timeline.ops):
+        value = op.total(b)
+        if best is None or value > best:
+            best, index = value, i
+    return index
+
+
+def _piece(timeline: Timeline, index: int) -> Piece:
+    if not timeline.ops:
+        return Piece(sum(timeline.baseline, ZERO), Phase.FORWARD, "(before the step)", None, "")
+    op = timeline.ops[index]
+    return Piece(op.total, op.phase, op.op, op.node, op.module)
+
+
+def _module_rows(model: nn.Module, timeline: Timeline, peak_index: int) -> tuple[ModuleRow, ...]:
+    alive = {id(s) for s in timeline.alive_at(peak_index)} if timeline.ops else set()
+    activations: dict[str, Poly] = {}
+    at_peak: dict[str, Poly] = {}
+    for s in timeline.storages:
+        nbytes, category, op_index, _ = s
+        if op_index < 0:
+            continue
+        module = timeline.ops[op_index].module
+        if category is Category.ACTIVATION:
+            activations[module] = activations.get(module, ZERO) + nbytes
+        if id(s) in alive:
+            at_peak[module] = at_peak.get(module, ZERO) + nbytes
+
+    def within(table: dict[str, Poly], path: str) -> Poly:
+        total = ZERO
+        for module, value in table.items():
+            if not path or module == path or module.startswith(path + "."):
+                total = total + value
+        return total
+
+    rows = []
+    for path, module in model.named_modules():
+        params = {id(p): p for p in module.parameters()}.values()
+        rows.append(
+            ModuleRow(
+                path=path,
+                type=type(module).__name__,
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                activations=within(activations, path),
+                at_peak=within(at_peak, path),
+            )
+        )
+    return tuple(rows)
+
+
+def _optimizer_name(optimizer) -> str | None:
+    if optimizer is None or isinstance(optimizer, str):
+        return optimizer
+    return getattr(optimizer, "__name__", type(optimizer).__name__)

@@ -1,0 +1,74 @@
+"""Rendering a Report: the text table and a JSON-ready dict.  Only this module imports tabulate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from estimator.units import format_bytes
+
+# Module rows shown in the text table: the model and its children down to this depth.
+TABLE_DEPTH = 2
+
+
+def table(rep) -> str:
+    upper = "∞" if rep.valid_to is None else str(rep.valid_to)
+    lines = [
+        f"fxmem: {rep.model}, {rep.mode.value}"
+        + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
+        + f", device {rep.device}, batch {rep.batch}",
+        f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) in the {rep.peak_piece.phase.value} phase"
+        f" at {rep.peak_piece.op}" + (f" in {rep.peak_piece.module}" if rep.peak_piece.module else ""),
+        f"formula (bytes, {rep.path.value} capture, valid for {rep.valid_from} <= b <= {upper}): {rep.peak}",
+        "",
+    ]
+    rows = [
+        [category.value, format_bytes(value), f"{value:,}", str(rep.breakdown_formula[category])]
+        for category, value in rep.breakdown.items()
+        if value or rep.breakdown_formula[category].coeffs
+    ]
+    rows.append(["total", format_bytes(rep.peak_bytes), f"{rep.peak_bytes:,}", str(rep.peak_piece.bytes)])
+    lines.append(tabulate(rows, headers=["at the peak", "size", "bytes", "formula in b"], colalign=("left", "right", "right", "left")))
+    module_rows = [
+        [("  " * m.path.count(".") + (m.path or "(model)")), m.type, f"{m.params:,}", format_bytes(m.param_bytes),
+         format_bytes(m.activations(rep.batch)), format_bytes(m.at_peak(rep.batch))]
+        for m in rep.modules
+        if m.path.count(".") < TABLE_DEPTH - (0 if m.path else 1) or not m.path
+    ]
+    lines += ["", tabulate(module_rows, headers=["module", "type", "params", "param memory", "activations", "alive at peak"],
+                           colalign=("left", "left", "right", "right", "right", "right"))]
+    if rep.guards:
+        lines += ["", "guards: " + "; ".join(rep.guards)]
+    lines += [f"note: {note}" for note in rep.notes]
+    return "\n".join(lines)
+
+
+def to_dict(rep) -> dict[str, Any]:
+    return {
+        "model": rep.model,
+        "mode": rep.mode.value,
+        "device": rep.device,
+        "optimizer": rep.optimizer,
+        "batch": rep.batch,
+        "peak_bytes": rep.peak_bytes,
+        "peak": str(rep.peak),
+        "pieces": [
+            {"bytes": list(p.bytes.coeffs), "formula": str(p.expr), "phase": p.phase.value, "op": p.op,
+             "node": p.node, "module": p.module}
+            for p in rep.pieces
+        ],
+        "peak_at_batch": {"phase": rep.peak_piece.phase.value, "op": rep.peak_piece.op, "module": rep.peak_piece.module},
+        "breakdown": {c.value: v for c, v in rep.breakdown.items()},
+        "breakdown_formula": {c.value: str(v) for c, v in rep.breakdown_formula.items()},
+        "capture": rep.path.value,
+        "valid_from": rep.valid_from,
+        "valid_to": rep.valid_to,
+        "guards": list(rep.guards),
+        "modules": [
+            {"path": m.path, "type": m.type, "params": m.params, "param_bytes": m.param_bytes,
+             "activation_bytes": m.activations(rep.batch), "at_peak_bytes": m.at_peak(rep.batch)}
+            for m in rep.modules
+        ],
+        "notes": list(rep.notes),
+    }

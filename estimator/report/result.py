@@ -1,0 +1,131 @@
+"""The result of an estimate: frozen dataclasses, no rendering (see ``render``)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+from torch import fx
+
+from estimator.account import CATEGORIES, Timeline
+from estimator.categories import Category, Mode, Phase
+from estimator.errors import InputError
+from estimator.symbolic import Poly, max_fitting
+from estimator.units import parse_bytes
+
+
+class CapturePath(str, enum.Enum):
+    SYMBOLIC = "symbolic"  # one fake run with a symbolic batch size: exact for every b in range
+    CONCRETE = "concrete"  # fake runs at several batch sizes, fitted op by op
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One non-dominated piece of the peak: the bytes alive at one op, as a polynomial in ``b``."""
+
+    bytes: Poly
+    phase: Phase
+    op: str
+    node: str | None
+    module: str
+
+    @property
+    def expr(self) -> sympy.Expr:
+        return self.bytes.expr
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """Memory attributed to one module (its submodules included)."""
+
+    path: str  # "" is the whole model
+    type: str
+    params: int  # number of parameters (shared ones counted once)
+    param_bytes: int
+    activations: Poly  # bytes its ops allocated that stay alive for backward
+    at_peak: Poly  # bytes its ops allocated that are alive at the peak (at ``batch``)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Peak memory of one step, as a function of the batch size ``b``.
+
+    ``peak_bytes`` is the peak at ``batch``; ``peak`` the formula; ``at(b)`` evaluates it;
+    ``max_batch(budget)`` inverts it exactly.
+    """
+
+    model: str
+    mode: Mode
+    device: str
+    optimizer: str | None
+    batch: int
+    peak_bytes: int
+    pieces: tuple[Piece, ...]
+    breakdown: Mapping[Category, int]  # bytes by category at the peak, at ``batch``
+    breakdown_formula: Mapping[Category, Poly]  # the same at the op of the peak, for every b
+    peak_piece: Piece  # the piece that is the peak at ``batch``
+    path: CapturePath
+    valid_from: int
+    valid_to: int | None  # None: no upper bound
+    guards: tuple[str, ...]
+    modules: tuple[ModuleRow, ...]
+    notes: tuple[str, ...]
+    timeline: Timeline = field(repr=False, compare=False)
+    graph: fx.GraphModule | None = field(default=None, repr=False, compare=False)
+    batch_outside_range: bool = False  # peak_bytes then comes from a capture at ``batch`` itself
+
+    @property
+    def peak(self) -> sympy.Expr:
+        """The peak as a sympy expression in ``b`` (``Max`` over the pieces)."""
+        exprs = [p.expr for p in self.pieces]
+        return exprs[0] if len(exprs) == 1 else sympy.Max(*exprs)
+
+    def _check_range(self, b: int) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise InputError(f"batch size must be a positive int, got {b!r}")
+        if b < self.valid_from or (self.valid_to is not None and b > self.valid_to):
+            upper = "∞" if self.valid_to is None else str(self.valid_to)
+            raise InputError(
+                f"the formula holds for {self.valid_from} <= b <= {upper} "
+                f"({'; '.join(self.guards) or 'batch sizes 0 and 1 specialize shapes'}); "
+                f"call estimator.report(..., batch={b}) for b={b}"
+            )
+
+    def at(self, b: int) -> int:
+        """Predicted peak bytes at batch size ``b``."""
+        self._check_range(b)
+        return max(p.bytes(b) for p in self.pieces)
+
+    def max_batch(self, budget: int | str) -> int:
+        """The largest batch size whose peak fits in ``budget`` (bytes or ``"80GiB"``); 0 if none.
+
+        Exact: ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
+        """
+        limit = parse_bytes(budget)
+        try:
+            best = max_fitting([p.bytes for p in self.pieces], limit, self.valid_from, self.valid_to)
+        except ValueError as exc:
+            raise InputError(f"cannot invert the peak formula: {exc}") from exc
+        return best if best >= self.valid_from else 0
+
+    def fits(self, budget: int | str, b: int | None = None) -> bool:
+        """Whether the step at ``b`` (default: ``batch``) fits in ``budget``."""
+        peak = self.peak_bytes if b is None else self.at(b)
+        return peak <= parse_bytes(budget)
+
+    @property
+    def categories(self) -> tuple[Category, ...]:
+        return CATEGORIES
+
+    def to_dict(self) -> dict[str, Any]:
+        from estimator.report.render import to_dict
+
+        return to_dict(self)
+
+    def __str__(self) -> str:
+        from estimator.report.render import table
+
+        return table(self)

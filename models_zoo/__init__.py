@@ -1,0 +1,87 @@
+"""Models that fxmem is validated on, written from code (no downloads).
+
+    model, make_sample, loss_fn = models_zoo.get("gpt", "debug")
+    sample = make_sample(8)        # CPU tensors, dim 0 = batch, same values every call
+    out = model(**sample)          # tensor: model(x); tuple: model(*x); dict: model(**x)
+    loss = loss_fn(out, sample)    # scalar
+
+Models (sizes; every model has a tiny "debug"):
+    mlp               MLP classifier, GELU/ReLU + dropout              (debug, small)
+    resnet            ResNet with BatchNorm, basic/bottleneck blocks   (debug, resnet18, resnet50)
+    unet              conv U-Net, GroupNorm/BatchNorm, skip concat     (debug, small)
+    vit               Vision Transformer on nn.MultiheadAttention      (debug, vit-b16)
+    gpt               GPT-2, causal SDPA, tied lm_head                 (debug, gpt2-small)
+    bert              BERT encoder, padding mask, manual softmax attn  (debug, base)
+    rnn               LSTM x2 + GRU language model                     (debug, small)
+    lora              transformer LM, frozen base + LoRA adapters      (debug, small)
+    tied_autoencoder  decoder reuses encoder weights; a shared Linear  (debug, small)
+    llama             Llama-2: RMSNorm, RoPE, GQA, SwiGLU              (debug, 7b)
+
+Each model module exposes Config (a frozen dataclass), SIZES, its nn.Module
+and make(cfg) -> (model, make_sample, loss_fn), so custom configs work too:
+    models_zoo.gpt.make(dataclasses.replace(models_zoo.gpt.SIZES["debug"], n_layer=4))
+"""
+
+import difflib
+
+import torch
+
+from models_zoo import bert, gpt, llama, lora, mlp, resnet, rnn, tied_autoencoder, unet, vit
+
+__all__ = ["get", "names", "sizes"]
+
+_REGISTRY = {
+    "mlp": mlp,
+    "resnet": resnet,
+    "unet": unet,
+    "vit": vit,
+    "gpt": gpt,
+    "bert": bert,
+    "rnn": rnn,
+    "lora": lora,
+    "tied_autoencoder": tied_autoencoder,
+    "llama": llama,
+}
+
+
+def _unknown(what: str, valid: list[str], value) -> ValueError:
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown {what}.{hint} Valid: {', '.join(valid)}")
+
+
+def names() -> list[str]:
+    """Model names, in registry order."""
+    return list(_REGISTRY)
+
+
+def sizes(name: str) -> list[str]:
+    """Size names for one model; "debug" is always first."""
+    if name not in _REGISTRY:
+        raise _unknown(f"model {name!r}", names(), name)
+    return list(_REGISTRY[name].SIZES)
+
+
+def get(name: str, size: str = "debug", device=None, dtype: torch.dtype | None = None):
+    """Build a zoo model in train mode. Returns (model, make_sample, loss_fn).
+
+    device: where parameters are created; "meta" allocates nothing, so even
+    llama 7b builds in well under a second. dtype: cast floating parameters and
+    buffers (e.g. torch.bfloat16); make_sample still returns float32 inputs.
+    """
+    valid_sizes = sizes(name)
+    if size not in valid_sizes:
+        raise _unknown(f"size {size!r} for model {name!r}", valid_sizes, size)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    module = _REGISTRY[name]
+    cfg = module.SIZES[size]
+    if device is None:
+        model, make_sample, loss_fn = module.make(cfg)
+    else:
+        # factory functions inside the constructors allocate directly on `device`
+        with torch.device(device):
+            model, make_sample, loss_fn = module.make(cfg)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return model, make_sample, loss_fn

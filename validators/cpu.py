@@ -1,0 +1,79 @@
+"""Measure the real peak memory of a step on CPU with PyTorch's own allocator events.
+
+``torch.profiler.profile(profile_memory=True)`` records every allocation and free of the CPU
+allocator, kernel-internal scratch included.  Peak = bytes alive when the step starts (the
+storages of parameters, buffers, inputs and optimizer state) + the largest running sum of
+the allocation deltas during the step.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from estimator import step
+from estimator.categories import Mode
+
+
+@dataclass(frozen=True)
+class Measurement:
+    peak_bytes: int  # baseline + peak_delta
+    baseline_bytes: int  # alive when the step starts
+    peak_delta: int  # largest running sum of allocator deltas during the step
+    events: int  # allocator events seen
+
+
+def baseline_bytes(model, optimizer, sample) -> int:
+    storages: dict[int, int] = {}
+    for tensors in step.state_tensors(model, optimizer, sample).values():
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _allocation_deltas(prof) -> list[tuple[int, int]]:
+    from torch._C._profiler import _EventType
+
+    deltas = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            deltas.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    deltas.sort(key=lambda d: d[0])
+    return deltas
+
+
+def measure_cpu(
+    model: torch.nn.Module,
+    sample: Any,
+    mode: Mode | str = Mode.TRAIN,
+    optimizer: str | step.OptimizerFactory | None = "adamw",
+    loss_fn: step.LossFn | None = None,
+) -> Measurement:
+    """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
+
+    The step is ``estimator.step.run``: the same code the estimator runs on fake tensors.
+    """
+    mode = Mode(mode)
+    opt = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None)
+    loss_fn = loss_fn or step.default_loss
+    warmup = step.run(model, sample, mode, opt, loss_fn)
+    del warmup
+    gc.collect()
+    baseline = baseline_bytes(model, opt, sample)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = step.run(model, sample, mode, opt, loss_fn)
+    del result
+    running = peak = 0
+    deltas = _allocation_deltas(prof)
+    for _, delta in deltas:
+        running += delta
+        peak = max(peak, running)
+    return Measurement(baseline + peak, baseline, peak, len(deltas))
