@@ -1,8 +1,9 @@
 """Turn captured allocation events into bytes: live memory by category after every op.
 
-``account(raw)`` replays the events in order.  At op ``i`` the candidate peak is everything
-alive before it, plus what it allocates, plus its kernel-internal scratch (corrections); the
-storages Python or autograd drop after it are subtracted before op ``i + 1``.
+``account(raw)`` replays the events in order.  At op ``i`` the candidate peaks are everything
+alive before it plus what it allocates, and that plus each of its kernel-internal scratch
+values (corrections); the storages Python or autograd drop after it are subtracted before
+op ``i + 1``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,26 @@ class OpMemory:
     node: str | None  # fx node name
     phase: Phase
     module: str
-    live: Vector  # bytes alive by category while the op runs (outputs + scratch included)
+    live: Vector  # bytes alive by category once the op's outputs exist
     allocated: Vector  # bytes this op allocated, by category
+    scratch: tuple[Poly, ...] = ()  # kernel-internal temporaries on top of ``live`` (corrections)
 
     @property
     def total(self) -> Poly:
         return _sum(self.live)
+
+    def peaks(self) -> list[Poly]:
+        """The candidate peaks of this op: ``total`` and ``total + s`` for each scratch value."""
+        total = self.total
+        return [total, *(total + s for s in self.scratch)]
+
+    def live_at(self, k: int) -> Vector:
+        """``live`` at candidate ``k`` of ``peaks()`` (scratch counts as temporaries)."""
+        if k == 0:
+            return self.live
+        live = list(self.live)
+        live[_TEMP] += self.scratch[k - 1]
+        return tuple(live)
 
 
 @dataclass(frozen=True)
@@ -76,9 +91,9 @@ def account(raw: RawCapture) -> Timeline:
             storage = raw.storages[sid]
             allocated[_INDEX[storage.category]] += storage.nbytes
         current = [c + a for c, a in zip(current, allocated)]
-        live = list(current)
-        live[_TEMP] += event.transient
-        ops.append(OpMemory(i, event.name, event.node, event.phase, event.module, tuple(live), tuple(allocated)))
+        ops.append(
+            OpMemory(i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch)
+        )
         for sid in event.frees:
             storage = raw.storages[sid]
             current[_INDEX[storage.category]] -= storage.nbytes
@@ -102,6 +117,10 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline]) -> Time
             op.index, op.op, op.node, op.phase, op.module,
             fit_vector([t.ops[i].live for t in timelines]),
             fit_vector([t.ops[i].allocated for t in timelines]),
+            tuple(
+                fit([(b, t.ops[i].scratch[k](0)) for b, t in zip(batches, timelines)])
+                for k in range(len(op.scratch))
+            ),
         )
         for i, op in enumerate(first.ops)
     )

@@ -107,18 +107,17 @@ def report(
         )
     if device_ == "cuda":
         notes.append(CUDA_NOT_MODELLED)
-    candidates = [op.total for op in timeline.ops] or [sum(timeline.baseline, ZERO)]
-    keep = nondominated(candidates, valid_from, valid_to)
-    pieces = tuple(_piece(timeline, i) for i in keep)
+    candidates = _candidates(timeline)
+    keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to)
+    pieces = tuple(_piece(timeline, *candidates[i][1]) for i in keep)
 
     outside = batch < valid_from or (valid_to is not None and batch > valid_to)
     at_batch = timeline
     if outside:  # the formula does not hold here: capture this batch size itself
         at_batch = account(capture(model, sample, spec, batch, symbolic=False))
         notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
-    peak_index = _argmax(at_batch, batch)
-    peak_op = at_batch.ops[peak_index] if at_batch.ops else None
-    live = peak_op.live if peak_op else at_batch.baseline
+    peak_poly, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
+    live = at_batch.ops[peak_index].live_at(peak_k) if at_batch.ops else at_batch.baseline
     breakdown = {c: v(batch) for c, v in zip(CATEGORIES, live)}
 
     if mode_ is Mode.TRAIN and optimizer is None:
@@ -133,7 +132,7 @@ def report(
         pieces=pieces,
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
-        peak_piece=_piece(at_batch, peak_index) if peak_op else pieces[0],
+        peak_piece=_piece(at_batch, peak_index, peak_k),
         path=path,
         valid_from=valid_from,
         valid_to=valid_to,
@@ -198,24 +197,21 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception) -> tuple
         raise CaptureError(f"symbolic capture failed ({why}) and memory is not linear in b: {exc}") from exc
 
 
-def _argmax(timeline: Timeline, b: int) -> int:
-    best, index = None, 0
-    for i, op in enumerate(timeline.ops):
-        value = op.total(b)
-        if best is None or value > best:
-            best, index = value, i
-    return index
+def _candidates(timeline: Timeline) -> list[tuple[Poly, tuple[int, int]]]:
+    """Every candidate peak with its (op index, scratch index); the baseline if no op ran."""
+    found = [(poly, (i, k)) for i, op in enumerate(timeline.ops) for k, poly in enumerate(op.peaks())]
+    return found or [(sum(timeline.baseline, ZERO), (-1, 0))]
 
 
-def _piece(timeline: Timeline, index: int) -> Piece:
-    if not timeline.ops:
+def _piece(timeline: Timeline, index: int, k: int) -> Piece:
+    if index < 0:
         return Piece(sum(timeline.baseline, ZERO), Phase.FORWARD, "(before the step)", None, "")
     op = timeline.ops[index]
-    return Piece(op.total, op.phase, op.op, op.node, op.module)
+    return Piece(op.peaks()[k], op.phase, op.op + (" (kernel scratch)" if k else ""), op.node, op.module)
 
 
 def _module_rows(model: nn.Module, timeline: Timeline, peak_index: int) -> tuple[ModuleRow, ...]:
-    alive = {id(s) for s in timeline.alive_at(peak_index)} if timeline.ops else set()
+    alive = {id(s) for s in timeline.alive_at(peak_index)} if peak_index >= 0 else set()
     activations: dict[str, Poly] = {}
     at_peak: dict[str, Poly] = {}
     for s in timeline.storages:

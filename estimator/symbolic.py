@@ -18,6 +18,19 @@ import sympy
 B = sympy.Symbol("b", integer=True, positive=True)
 
 
+def as_expr(value):
+    """An int, or the sympy expression of a SymInt (other values unchanged).
+
+    Arithmetic on SymInts would be recorded into the fx graph by make_fx and comparisons
+    would add shape guards; on their sympy expressions it is plain bookkeeping.
+    """
+    import torch
+
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return value
+
+
 class NotPolynomial(ValueError):
     """A byte count is not a polynomial in ``b`` with integer coefficients."""
 

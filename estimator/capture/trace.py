@@ -80,15 +80,16 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)][:1]
 
     with _errors_named(symbolic), mode:
-        # Steady state: optimizer state is created lazily by the first step().
-        warmup = step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn)
+        # Steady state: optimizer state is created lazily by the first step().  Static shapes
+        # make this unmeasured step cheap (no symbolic arithmetic).
+        warmup = step.run(fmodel, fake_sample(sample, mode, batch, symbolic=False), spec.mode, optimizer, spec.loss_fn)
         del warmup
         graph = make_fx(traced, tracing_mode="fake")(*unique)
 
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
-            op.transient = Poly.const(int(op.transient))
+            op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
     return _to_batch_symbol(tracker, graph, shape_env, [*unique, *traced_inputs])
 
@@ -129,7 +130,7 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, inputs: list[
 
     storages = {sid: _with_bytes(s, to_poly(s.nbytes)) for sid, s in tracker.storages.items()}
     for op in tracker.ops:
-        op.transient = to_poly(op.transient)
+        op.scratch = tuple(to_poly(x) for x in op.scratch)
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards)
 
 

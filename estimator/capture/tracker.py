@@ -19,8 +19,9 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from estimator import corrections
 from estimator.categories import Category, Phase
+from estimator.symbolic import as_expr  # before corrections: its entries import it from here
+from estimator import corrections  # noqa: E402,I001
 
 # Ops that bookkeep rather than compute: never an allocation.
 _SKIP = {
@@ -45,18 +46,7 @@ class OpEvent:
     module: str  # module path ("" for the root / outside any module)
     allocs: list[int] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)  # freed after this op, before the next
-    transient: Any = 0  # kernel-internal bytes alive only during this op (corrections)
-
-
-def as_expr(value: Any) -> Any:
-    """An int, or the sympy expression of a SymInt.
-
-    Arithmetic on SymInts would be recorded into the fx graph by make_fx; on their sympy
-    expressions it is plain bookkeeping.
-    """
-    if isinstance(value, torch.SymInt):
-        return value.node.expr
-    return value
+    scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
 
 
 def _metadata(t: torch.Tensor) -> TensorMetadata:
@@ -176,7 +166,7 @@ class Tracker(TorchDispatchMode):
             key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))
             if key is not None:
                 event.allocs.append(key)
-        event.transient = as_expr(fix.transient_bytes)
+        event.scratch = tuple(as_expr(x) for x in fix.scratch)
         return out
 
 

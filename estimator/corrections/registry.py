@@ -7,7 +7,13 @@ possibly symbolic) and returns a ``Fix``:
 
 - ``output_bytes[i]``: bytes the real kernel's i-th tensor output holds beyond what the meta
   kernel reports (it lives and dies with that output's storage);
-- ``transient_bytes``: kernel-internal scratch alive only while the op runs.
+- ``scratch``: kernel-internal memory alive only while the op runs, as the extra bytes at
+  each local maximum inside the kernel, relative to "inputs and outputs alive".  Several
+  values because which one is largest can depend on ``b``; each becomes a candidate peak.
+
+Values are ints or sympy expressions: convert shapes with ``estimator.capture.tracker.as_expr``
+and compute with sympy, never with SymInts (make_fx would record the arithmetic, and a Python
+comparison would add a shape guard).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Fix:
     output_bytes: dict[int, Any] = field(default_factory=dict)
-    transient_bytes: Any = 0
+    scratch: tuple[Any, ...] = ()
 
 
 NO_FIX = Fix()
@@ -45,6 +51,17 @@ def correction(*ops) -> Callable[[CorrectionFn], CorrectionFn]:
         return fn
 
     return register
+
+
+def bind(func, args, kwargs) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in (no positional magic indexes)."""
+    bound = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[argument.name] = args[i]
+        else:
+            bound[argument.name] = kwargs.get(argument.name, argument.default_value)
+    return bound
 
 
 def lookup(func, args, kwargs, out) -> Fix:

@@ -1,0 +1,5 @@
+import sys
+
+from estimator.cli import main
+
+sys.exit(main())

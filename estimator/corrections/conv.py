@@ -1,0 +1,1 @@
+"""Convolution corrections (CPU kernels)."""

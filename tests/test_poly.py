@@ -1,0 +1,51 @@
+"""Exact arithmetic of the symbolic layer: polynomials, the upper envelope, max batch."""
+
+import pytest
+import sympy
+
+from estimator.symbolic import B, NotPolynomial, Poly, fit, max_fitting, nondominated
+
+
+def test_poly_arithmetic_and_expr():
+    p = Poly.of(64 * B + 2048)
+    assert p.coeffs == (2048, 64)
+    assert (p + Poly.const(48))(10) == 2048 + 48 + 640
+    assert (p - p).coeffs == ()
+    assert p.expr == 64 * B + 2048
+
+
+def test_non_polynomial_rejected():
+    with pytest.raises(NotPolynomial):
+        Poly.of(sympy.floor(B / 2))
+    with pytest.raises(NotPolynomial):
+        Poly.of(sympy.Symbol("s") * 4)
+
+
+def test_fit_is_exact_or_refuses():
+    assert fit([(2, 100), (3, 150), (4, 200)]).coeffs == (0, 50)
+    with pytest.raises(NotPolynomial):
+        fit([(2, 100), (3, 150), (4, 201)])
+
+
+def test_upper_envelope():
+    # A = 1000 + b, B = 10 + 100 b, C = 500 + 2 b, D = 200 b.  At b = 2 A wins (1002).
+    # D catches A when 200 b >= 1000 + b, i.e. b >= 1000/199 -> b = 6 (1200 > 1006), and
+    # from there D grows fastest.  B (which would catch A at b = 10) and C are never the max.
+    lines = [Poly((1000, 1)), Poly((10, 100)), Poly((500, 2)), Poly((0, 200))]
+    assert nondominated(lines, 2, None) == [0, 3]
+    # Bounded above at b = 5: only the flat line is ever the maximum.
+    assert nondominated(lines, 2, 5) == [0]
+
+
+def test_max_fitting_linear_is_exact():
+    lines = [Poly((1000, 1)), Poly((0, 200))]
+    # peak(b) = max(1000 + b, 200 b); budget 2000: 200 b <= 2000 -> b <= 10; 1000 + b <= 2000 -> b <= 1000.
+    assert max_fitting(lines, 2000, 2, None) == 10
+    assert max_fitting(lines, 999, 2, None) == 1  # nothing fits: lo - 1
+    assert max_fitting(lines, 10**6, 2, 64) == 64  # capped by the valid range
+
+
+def test_max_fitting_quadratic_by_bisection():
+    quad = [Poly((0, 0, 1))]  # b**2
+    assert max_fitting(quad, 10_000, 2, None) == 100
+    assert max_fitting(quad, 10_000 - 1, 2, None) == 99

@@ -1,0 +1,40 @@
+"""``python -m validators``: validate the CPU predictions over the zoo and write docs/validation.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from validators import zoo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m validators", description=__doc__)
+    parser.add_argument("--models", nargs="*", help="zoo names (default: all)")
+    parser.add_argument("--batches", nargs="*", type=int, default=list(zoo.BATCHES))
+    parser.add_argument("--modes", nargs="*", default=list(zoo.MODES), choices=zoo.MODES)
+    parser.add_argument("--markdown", type=Path, default=Path("docs/validation.md"))
+    parser.add_argument("--json", type=Path, default=Path("docs/validation.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for name in args.models or zoo.models_zoo.names():
+        for mode in args.modes:
+            for batch in args.batches:
+                row = zoo.compare(name, "debug", mode, batch)
+                print(f"{row.model:18s} {row.mode:9s} b={row.batch:<3d} predicted {row.predicted:>12,} "
+                      f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
+                rows.append(row)
+    command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    args.markdown.write_text(zoo.to_markdown(rows, command))
+    args.json.write_text(json.dumps(zoo.to_json(rows), indent=1) + "\n")
+    stats = zoo.summary(rows)
+    print(f"median |error| {stats['median_abs_error_pct']:.3f} %, max {stats['max_abs_error_pct']:.3f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

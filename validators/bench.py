@@ -1,0 +1,83 @@
+"""``python -m validators.bench``: the estimator's own cost (wall time, peak RSS) at real sizes.
+
+Each case runs in a fresh subprocess so that its peak RSS is its own; figures go to
+docs/benchmark.md.  A script, not a timed test: machines differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CASES = [
+    # (zoo name, size, batch, mode)
+    ("resnet", "resnet50", 32, "train"),
+    ("gpt", "gpt2-small", 8, "train"),
+    ("gpt", "gpt2-small", 8, "inference"),
+    ("llama", "7b", 1, "train"),
+    ("llama", "7b", 1, "inference"),
+]
+
+_CHILD = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+import estimator, models_zoo
+name, size, batch, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+model, make_sample, loss_fn = models_zoo.get(name, size, device="meta")
+t1 = time.perf_counter()
+rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn)
+t2 = time.perf_counter()
+print(json.dumps({"import_and_build_s": t1 - t0, "estimate_s": t2 - t1, "peak_bytes": rep.peak_bytes,
+                  "formula": str(rep.peak), "capture": rep.path.value, "ops": len(rep.timeline.ops),
+                  "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def run_case(name: str, size: str, batch: int, mode: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, name, size, str(batch), mode], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1]) | {"model": name, "size": size, "batch": batch, "mode": mode}
+
+
+def to_markdown(results: list[dict]) -> str:
+    lines = [
+        "# Estimator cost",
+        "",
+        f"`python -m validators.bench` on {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; models built on the meta device, "
+        "optimizer AdamW; each case in a fresh process (peak RSS includes importing torch).",
+        "",
+        "| model | size | mode | batch | estimate time | import + build | peak RSS | ops | capture | predicted peak |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['mode']} | {r['batch']} | {r['estimate_s']:.1f} s "
+            f"| {r['import_and_build_s']:.1f} s | {r['max_rss_bytes'] / 2**30:.2f} GiB | {r['ops']} | {r['capture']} "
+            f"| {r['peak_bytes'] / 2**30:.2f} GiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m validators.bench", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmark.md"))
+    args = parser.parse_args(argv)
+    results = []
+    for case in CASES:
+        result = run_case(*case)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    args.out.write_text(to_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
