@@ -107,6 +107,7 @@ def report(
         )
     if device_ == "cuda":
         notes.append(CUDA_NOT_MODELLED)
+    _annotate(graph, timeline)
     candidates = _candidates(timeline)
     keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to)
     pieces = tuple(_piece(timeline, *candidates[i][1]) for i in keep)
@@ -143,6 +144,21 @@ def report(
         graph=graph,
         batch_outside_range=outside,
     )
+
+
+def _annotate(graph, timeline: Timeline) -> None:
+    """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
+    allocated by category, its module path and phase."""
+    nodes = {node.name: node for node in graph.nodes}
+    for op in timeline.ops:
+        node = nodes.get(op.node)
+        if node is not None:
+            node.meta["fxmem"] = {
+                "live": op.total.expr,
+                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p.coeffs},
+                "module": op.module,
+                "phase": op.phase,
+            }
 
 
 def _sample_batch(sample: Any) -> int:

@@ -172,29 +172,32 @@ def run(model, sample, mode: Mode, optimizer, loss_fn: LossFn, on_phase: PhaseCa
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, sample: Any):
-    """The tensors alive before a step starts, by category (without gradients: the step
-    ends with ``zero_grad(set_to_none=True)``).
+    """The tensors alive before a step starts, by category, each ``{name: tensor}`` (without
+    gradients: the step ends with ``zero_grad(set_to_none=True)``).
 
     Plain tensor attributes of modules (not registered as buffers) count as buffers.
     """
     from estimator.categories import Category
 
-    params = list(model.parameters())
-    buffers = list(model.buffers())
-    seen = {id(t) for t in params + buffers}
-    for module in model.modules():
-        for value in vars(module).values():
+    params = {name: p for name, p in model.named_parameters()}
+    buffers = {name: t for name, t in model.named_buffers()}
+    seen = {id(t) for t in [*params.values(), *buffers.values()]}
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor) and id(value) not in seen:
                 seen.add(id(value))
-                buffers.append(value)
-    states = []
+                buffers[f"{prefix}.{attr}" if prefix else attr] = value
+    states = {}
     if optimizer is not None:
-        for state in optimizer.state.values():
-            states += [v for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]
-    inputs = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
+        param_names = {id(p): name for name, p in model.named_parameters()}
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    states[f"{param_names.get(id(param), 'param')}.{key}"] = value
+    inputs, tree = tree_flatten(sample)
     return {
         Category.PARAMETER: params,
         Category.BUFFER: buffers,
         Category.OPTIMIZER_STATE: states,
-        Category.INPUT: inputs,
+        Category.INPUT: {f"input{i}": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)},
     }

@@ -30,7 +30,7 @@ class Measurement:
 def baseline_bytes(model, optimizer, sample) -> int:
     storages: dict[int, int] = {}
     for tensors in step.state_tensors(model, optimizer, sample).values():
-        for t in tensors:
+        for t in tensors.values():
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

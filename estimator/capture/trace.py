@@ -18,9 +18,8 @@ import sympy
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from estimator import step
 from estimator.capture.fake import fake_model, fake_sample
@@ -45,7 +44,7 @@ class RawCapture:
 
     ops: list[OpEvent]
     storages: dict[int, Storage]
-    graph: fx.GraphModule
+    graph: fx.Graph
     valid_from: int  # the range of b where the capture holds (from the shape guards)
     valid_to: int | None
     guards: tuple[str, ...]
@@ -60,38 +59,27 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()})
 
-    leaves, tree = tree_flatten(fsample)
-    unique = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
-    position = {id(t): i for i, t in enumerate(unique)}
-
-    traced_inputs = []
-
-    def traced(*tensors):
-        traced_inputs.extend(tensors)  # make_fx re-fakes its inputs: new symbols
-        sample_ = tree_unflatten(
-            [tensors[position[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves], tree
-        )
-        for category, tensors_ in step.state_tensors(fmodel, optimizer, sample_).items():
-            tracker.register(tensors_, category)
-        with tracker, _module_hooks(tracker):
-            result = step.run(fmodel, sample_, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel))
-        tracker.flush()
-        _label_storages(tracker, fmodel, optimizer, phase_ended=Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
-        return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)][:1]
-
     with _errors_named(symbolic), mode:
         # Steady state: optimizer state is created lazily by the first step().  Static shapes
         # make this unmeasured step cheap (no symbolic arithmetic).
         warmup = step.run(fmodel, fake_sample(sample, mode, batch, symbolic=False), spec.mode, optimizer, spec.loss_fn)
         del warmup
-        graph = make_fx(traced, tracing_mode="fake")(*unique)
+        for category, tensors in step.state_tensors(fmodel, optimizer, fsample).items():
+            tracker.register(tensors, category)
+        with tracker, _module_hooks(tracker):
+            result = step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel))
+        tracker.flush()
+        _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
+        graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
+        del result
 
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
-    return _to_batch_symbol(tracker, graph, shape_env, [*unique, *traced_inputs])
+    inputs = [t for t in tree_flatten(fsample)[0] if isinstance(t, torch.Tensor)]
+    return _to_batch_symbol(tracker, graph, shape_env, inputs)
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
@@ -131,6 +119,8 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, inputs: list[
     storages = {sid: _with_bytes(s, to_poly(s.nbytes)) for sid, s in tracker.storages.items()}
     for op in tracker.ops:
         op.scratch = tuple(to_poly(x) for x in op.scratch)
+    for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b
+        node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards)
 
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
+from estimator.capture.graph import GraphRecorder
 from estimator.categories import Category, Phase
 from estimator.symbolic import as_expr  # before corrections: its entries import it from here
 from estimator import corrections  # noqa: E402,I001
@@ -41,17 +40,12 @@ class Storage:
 @dataclass
 class OpEvent:
     name: str  # aten overload, e.g. "aten.addmm.default"
-    node: str | None  # the fx node recorded for this op (None when not tracing to fx)
+    node: str  # the fx node recorded for this op
     phase: Phase
     module: str  # module path ("" for the root / outside any module)
     allocs: list[int] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)  # freed after this op, before the next
     scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
-
-
-def _metadata(t: torch.Tensor) -> TensorMetadata:
-    # Not shape_prop's extractor: its contiguity queries would add shape guards.
-    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride(), None, False, {})
 
 
 def _storage_id(storage: torch.UntypedStorage) -> int:
@@ -73,11 +67,13 @@ class Tracker(TorchDispatchMode):
         self._module_names = module_names
         self._module_stack: list[str] = []
         self._module_of_seq: dict[int, str] = {}  # autograd sequence nr -> module (for backward)
-        self._last_node = None
+        self.recorder = GraphRecorder()
 
     # -- state alive before the step -------------------------------------------------
-    def register(self, tensors: list[torch.Tensor], category: Category) -> None:
-        for t in tensors:
+    def register(self, tensors: dict[str, torch.Tensor], category: Category) -> None:
+        """State alive before the step, by name (the names of the graph's placeholders)."""
+        for name, t in tensors.items():
+            self.recorder.name(t, name)
             self._track(t.untyped_storage(), category, -1)
 
     def _track(self, storage: torch.UntypedStorage, category: Category, op: int, extra: Any = 0) -> int | None:
@@ -125,27 +121,6 @@ class Tracker(TorchDispatchMode):
             return ""
         return self._module_stack[-1] if self._module_stack else ""
 
-    def _new_fx_nodes(self) -> str | None:
-        """The name of the fx node make_fx recorded for this op (None when not tracing).
-
-        make_fx keeps each output's fake value in ``node.meta["val"]``, which would keep every
-        storage alive until tracing ends; we replace it with shape metadata so that frees
-        happen when the program really drops its references.
-        """
-        mode = get_proxy_mode()
-        if mode is None:
-            return None
-        graph = mode.tracer.graph
-        node = graph._root.prev
-        while node.op != "root" and node is not self._last_node:
-            value = node.meta.get("val")
-            if value is not None and not isinstance(value, torch.nn.Parameter):
-                node.meta["tensor_meta"] = tree_map_only(torch.Tensor, _metadata, value)
-                del node.meta["val"]
-            node = node.prev
-        self._last_node = graph._root.prev
-        return None if self._last_node.op == "root" else self._last_node.name
-
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -157,7 +132,7 @@ class Tracker(TorchDispatchMode):
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # The autograd node of this op was created just before dispatch.
             self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
-        event = OpEvent(str(func), self._new_fx_nodes(), self.phase, module)
+        event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
         index = len(self.ops)
         self.ops.append(event)
         fix = corrections.lookup(func, args, kwargs, out)

@@ -74,7 +74,7 @@ class Report:
     modules: tuple[ModuleRow, ...]
     notes: tuple[str, ...]
     timeline: Timeline = field(repr=False, compare=False)
-    graph: fx.GraphModule | None = field(default=None, repr=False, compare=False)
+    graph: fx.Graph | None = field(default=None, repr=False, compare=False)  # the captured aten ops
     batch_outside_range: bool = False  # peak_bytes then comes from a capture at ``batch`` itself
 
     @property

@@ -1,0 +1,35 @@
+"""Shared fixtures of the fxmem test suite.
+
+pytest.ini is owned by someone else: markers are registered here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is available)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    # torch is imported without numpy in this venv; its one-time warning is noise.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test builds its models from the same RNG state (values never change bytes, but
+    reproducible failures are easier to read)."""
+    torch.manual_seed(0)
+    yield
