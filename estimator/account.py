@@ -102,32 +102,30 @@ def account(raw: RawCapture) -> Timeline:
     return Timeline(baseline, tuple(ops), storages)
 
 
-def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline]) -> Timeline:
-    """One timeline with bytes linear in ``b`` from concrete timelines at several batch sizes.
+def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:
+    """One timeline with bytes linear in ``b`` from concrete timelines at several batch sizes
+    (``symbolic.fit``; ``exact=False`` tolerates rounding).
 
     The op sequences must be identical: the caller checks that.
     """
     first = timelines[0]
 
+    def line(values: Sequence[Poly]) -> Poly:
+        return fit([(b, v(0)) for b, v in zip(batches, values)], exact)
+
     def fit_vector(vectors: Sequence[Vector]) -> Vector:
-        return tuple(fit([(b, v[k](0)) for b, v in zip(batches, vectors)]) for k in range(len(CATEGORIES)))
+        return tuple(line([v[k] for v in vectors]) for k in range(len(CATEGORIES)))
 
     ops = tuple(
         OpMemory(
             op.index, op.op, op.node, op.phase, op.module,
             fit_vector([t.ops[i].live for t in timelines]),
             fit_vector([t.ops[i].allocated for t in timelines]),
-            tuple(
-                fit([(b, t.ops[i].scratch[k](0)) for b, t in zip(batches, timelines)])
-                for k in range(len(op.scratch))
-            ),
+            tuple(line([t.ops[i].scratch[k] for t in timelines]) for k in range(len(op.scratch))),
         )
         for i, op in enumerate(first.ops)
     )
     storages = first.storages
     if all(len(t.storages) == len(storages) for t in timelines):
-        storages = tuple(
-            (fit([(b, t.storages[k][0](0)) for b, t in zip(batches, timelines)]),) + storages[k][1:]
-            for k in range(len(storages))
-        )
+        storages = tuple((line([t.storages[k][0] for t in timelines]),) + storages[k][1:] for k in range(len(storages)))
     return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages)

@@ -98,13 +98,10 @@ def report(
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph = _concrete(model, sample, spec, hint, exc)
+        timeline, graph, note = _concrete(model, sample, spec, hint, exc)
         path, guards = CapturePath.CONCRETE, ()
-        valid_from, valid_to = hint, None
-        notes.append(
-            f"symbolic capture failed ({exc}); the formula is fitted from fake runs at "
-            f"b = {', '.join(str(hint + k) for k in FALLBACK_OFFSETS)} and assumed linear beyond"
-        )
+        valid_from, valid_to = 2, None
+        notes.append(note + "; assumed linear elsewhere")
     if device_ == "cuda":
         notes.append(CUDA_NOT_MODELLED)
     _annotate(graph, timeline)
@@ -117,7 +114,7 @@ def report(
     if outside:  # the formula does not hold here: capture this batch size itself
         at_batch = account(capture(model, sample, spec, batch, symbolic=False))
         notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
-    peak_poly, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
+    _, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
     live = at_batch.ops[peak_index].live_at(peak_k) if at_batch.ops else at_batch.baseline
     breakdown = {c: v(batch) for c, v in zip(CATEGORIES, live)}
 
@@ -194,23 +191,51 @@ def _named_tensors(sample: Any, prefix: str = ""):
             yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
-def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception) -> tuple[Timeline, Any]:
+def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception) -> tuple[Timeline, Any, str]:
+    """Fit concrete captures at ``hint, hint+1, hint+2``; returns the timeline, the graph and a note.
+
+    Memory that is linear only up to rounding (kernel workspaces rounded to pages) gets one
+    more capture at ``4 * hint`` and the line through the two ends; the note states the
+    largest deviation of that line from the captures.
+    """
     batches = [hint + k for k in FALLBACK_OFFSETS]
     raws = [capture(model, sample, spec, b, symbolic=False) for b in batches]
-    sequences = [[op.name for op in raw.ops] for raw in raws]
-    for b, seq in zip(batches[1:], sequences[1:]):
-        if seq != sequences[0]:
-            first = next(i for i, (x, y) in enumerate(zip(sequences[0], seq)) if x != y) if len(seq) == len(
-                sequences[0]) else min(len(seq), len(sequences[0]))
-            raise CaptureError(
-                f"symbolic capture failed ({why}) and the concrete fallback runs different ops at "
-                f"b={batches[0]} and b={b} (first difference at op {first}): the memory of this model "
-                "is not one formula in the batch size"
-            )
+    for b, raw in zip(batches[1:], raws[1:]):
+        _check_same_ops(raws[0], raw, hint, b, why)
+    timelines = [account(r) for r in raws]
+    note = (
+        f"symbolic capture failed ({why}); the formula is fitted from fake runs at "
+        f"b = {', '.join(map(str, batches))}"
+    )
     try:
-        return fit_timelines(batches, [account(r) for r in raws]), raws[0].graph
-    except NotPolynomial as exc:
-        raise CaptureError(f"symbolic capture failed ({why}) and memory is not linear in b: {exc}") from exc
+        return fit_timelines(batches, timelines), raws[0].graph, note
+    except NotPolynomial:
+        far = 4 * hint
+        raw = capture(model, sample, spec, far, symbolic=False)
+        _check_same_ops(raws[0], raw, hint, far, why)
+        fitted = fit_timelines([hint, far], [timelines[0], account(raw)], exact=False)
+        timelines.append(account(raw))
+        deviation = max(
+            abs(op.total(b) - t.ops[i].total(b))
+            for b, t in zip([*batches, far], timelines)
+            for i, op in enumerate(fitted.ops)
+        )
+        note += (
+            f", {far}; memory is linear in b only up to rounding (e.g. kernel workspaces rounded to "
+            f"pages): the line through b = {hint} and {far} is within {deviation:,} B of every capture, "
+            f"exact at b = {hint}"
+        )
+        return fitted, raws[0].graph, note
+
+
+def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:
+    names, expected = [op.name for op in raw.ops], [op.name for op in reference.ops]
+    if names != expected:
+        first = next((i for i, (x, y) in enumerate(zip(expected, names)) if x != y), min(len(names), len(expected)))
+        raise CaptureError(
+            f"symbolic capture failed ({why}) and the concrete fallback runs different ops at b={b0} and "
+            f"b={b} (first difference at op {first}): the memory of this model is not one formula in the batch size"
+        )
 
 
 def _candidates(timeline: Timeline) -> list[tuple[Poly, tuple[int, int]]]:

@@ -121,10 +121,17 @@ def _from_expr(expr) -> Poly:
     return _trim(tuple(int(c) for c in coeffs))
 
 
-def fit(samples: Sequence[tuple[int, int]]) -> Poly:
-    """The line through ``(b, bytes)`` samples; raises ``NotPolynomial`` unless every sample is on it."""
-    (b0, y0), (b1, y1) = samples[0], samples[1]
+def fit(samples: Sequence[tuple[int, int]], exact: bool = True) -> Poly:
+    """The line through ``(b, bytes)`` samples; raises ``NotPolynomial`` unless every sample is on it.
+
+    ``exact=False``: the line through the first and the last sample, slope rounded to an
+    integer (exact at the first sample), for memory that is linear only up to rounding.
+    """
+    (b0, y0), (b1, y1) = samples[0], samples[-1]
     slope, rem = divmod(y1 - y0, b1 - b0)
+    if not exact:
+        slope = round((y1 - y0) / (b1 - b0))
+        return _trim((y0 - slope * b0, slope))
     line = _trim((y0 - slope * b0, slope))
     if rem or any(line(b) != y for b, y in samples):
         raise NotPolynomial(f"bytes {[y for _, y in samples]} at b={[b for b, _ in samples]} are not linear in b")

@@ -1,0 +1,198 @@
+"""Bad inputs raise InputError (or CaptureError) whose message names the problem; never a raw
+torch exception."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import estimator
+from estimator import CaptureError, FxmemError, InputError
+
+
+def lin():
+    return nn.Linear(16, 4)
+
+
+def x8():
+    return torch.randn(8, 16)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, a, c):
+        return self.l(a) + self.l(c)
+
+
+@pytest.mark.parametrize("model,match", [
+    (lambda x: x, "nn.Module"),
+    (None, "nn.Module"),
+    (torch.randn(3), "nn.Module"),
+])
+def test_not_a_module(model, match):
+    with pytest.raises(InputError, match=match):
+        estimator.report(model, x8())
+
+
+@pytest.mark.parametrize("sample,match", [
+    ("abc", "sample must be a tensor"),
+    ((1, 2), "no tensor"),
+    ({}, "no tensor"),
+    ({"a": 1.0}, "no tensor"),
+    (torch.tensor(1.0), "scalar"),
+    (3.0, "sample must be a tensor"),
+])
+def test_bad_sample(sample, match):
+    with pytest.raises(InputError, match=match):
+        estimator.report(lin(), sample)
+
+
+@pytest.mark.parametrize("sample,names", [
+    ((torch.randn(8, 16), torch.randn(5, 16)), ("[0]: 8", "[1]: 5")),
+    ({"a": torch.randn(8, 16), "c": torch.randn(5, 16)}, ("['a']: 8", "['c']: 5")),
+])
+def test_sample_batch_disagrees(sample, names):
+    with pytest.raises(InputError, match="disagree") as err:
+        estimator.report(TwoInputs(), sample)
+    for name in names:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5, True, "8"])
+def test_bad_batch(batch):
+    with pytest.raises(InputError, match=f"batch must be a positive int, got {batch!r}"):
+        estimator.report(lin(), x8(), batch=batch)
+
+
+@pytest.mark.parametrize("mode", ["training", "eval", "", None])
+def test_bad_mode(mode):
+    with pytest.raises(InputError, match="mode must be 'train' or 'inference'"):
+        estimator.report(lin(), x8(), mode=mode)
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "cuda:0x"])
+def test_bad_device(device):
+    with pytest.raises(InputError, match=f"device must be one of .*{device}"):
+        estimator.report(lin(), x8(), device=device)
+
+
+def test_unknown_optimizer_lists_known_names():
+    with pytest.raises(InputError, match="unknown optimizer 'lion'") as err:
+        estimator.report(lin(), x8(), optimizer="lion")
+    for known in ("sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop"):
+        assert known in str(err.value)
+
+
+def test_optimizer_of_wrong_type():
+    with pytest.raises(InputError, match="optimizer must be None, a name"):
+        estimator.report(lin(), x8(), optimizer=3)
+
+
+def test_optimizer_factory_returning_garbage():
+    with pytest.raises(InputError, match="not a torch.optim.Optimizer"):
+        estimator.report(lin(), x8(), optimizer=lambda params: "adam")
+
+
+@pytest.mark.parametrize("loss_fn,match", [
+    (lambda out, s: out, r"scalar tensor, got shape \(8, 4\)"),
+    (lambda out, s: 1.0, "scalar tensor, got float"),
+    (lambda out, s: out.detach().mean(), "does not require grad"),
+    ("mse", "loss_fn must be callable"),
+])
+def test_bad_loss_fn(loss_fn, match):
+    with pytest.raises(InputError, match=match):
+        estimator.report(lin(), x8(), loss_fn=loss_fn)
+
+
+@pytest.fixture(scope="module")
+def linear_report():
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+
+
+@pytest.mark.parametrize("budget,match", [
+    ("eighty GB", "cannot parse the memory size 'eighty GB'"),
+    ("-5GiB", "'-5GiB'"),
+    ("", "cannot parse the memory size ''"),
+    ("5 XB", "'5 XB'"),
+    ("80 GiBs", "'80 GiBs'"),
+    (0, "must be positive"),
+    (-1, "must be positive"),
+    (None, "budget must be bytes"),
+    (True, "budget must be bytes"),
+])
+def test_unparseable_budget(linear_report, budget, match):
+    with pytest.raises(InputError, match=match):
+        linear_report.max_batch(budget)
+    with pytest.raises(InputError, match=match):
+        linear_report.fits(budget)
+
+
+@pytest.mark.parametrize("b", [0, -3, 2.5, True])
+def test_bad_at(linear_report, b):
+    with pytest.raises(InputError, match="positive int"):
+        linear_report.at(b)
+
+
+def test_all_parameters_frozen_in_train():
+    model = lin().requires_grad_(False)
+    with pytest.raises(InputError, match="no parameter requires grad"):
+        estimator.report(model, x8())
+    # optimizer=None reaches the loss check instead: same diagnosis, other words
+    with pytest.raises(InputError, match=r"\(are all parameters frozen"):
+        estimator.report(model, x8(), optimizer=None)
+    # inference of a frozen model is fine
+    assert estimator.report(model, x8(), mode="inference").peak_bytes == 80 * 8 + 272
+
+
+class NonZero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, x):
+        kept = x[x > 0]  # data-dependent size
+        return self.l(kept.reshape(-1, 16))
+
+
+class ItemIf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # data-dependent Python control flow
+            return self.l(x)
+        return -self.l(x)
+
+
+@pytest.mark.parametrize("model_cls,line", [
+    (NonZero, "kept = x[x > 0]"),
+    (ItemIf, "if x.sum().item() > 0:"),
+])
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_uncapturable_model_names_the_user_line(model_cls, line, mode):
+    with pytest.raises(CaptureError) as err:
+        estimator.report(model_cls(), x8(), mode=mode)
+    message = str(err.value)
+    assert __file__ in message
+    assert line in message
+    assert "forward" in message
+    assert isinstance(err.value, FxmemError)
+
+
+def test_model_that_raises_names_the_line():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.l(x.view(-1, 15))  # wrong reshape
+
+    with pytest.raises(FxmemError) as err:
+        estimator.report(Broken(), x8())
+    assert "x.view(-1, 15)" in str(err.value)

@@ -1,0 +1,170 @@
+"""The Report as an object: its text, its dict, its graph; report() leaves the model alone;
+meta-device models; byte units."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import fx, nn
+
+import estimator
+import models_zoo
+from estimator import Category, format_bytes, parse_bytes
+
+
+@pytest.fixture(scope="module")
+def linear_report():
+    # Linear(16, 4), SGD, b = 8: peak 96*8 + 552 = 1320 B (see test_exact).
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+
+
+def test_str_has_peak_formula_and_categories(linear_report):
+    text = str(linear_report)
+    assert "1,320" in text and "1.29 KiB" in text  # 1320 / 1024 = 1.289...
+    assert "96*b + 552" in text
+    for category in (Category.PARAMETER, Category.INPUT, Category.GRADIENT, Category.ACTIVATION,
+                     Category.TEMPORARY):
+        assert category.value in text
+    assert "total" in text
+    assert "Linear" in text and "sgd" in text
+
+
+def test_str_shows_guards_and_notes():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.l(x) if x.shape[0] < 16 else self.l(x) + 1
+
+    text = str(estimator.report(Branchy(), torch.randn(8, 16), optimizer=None))
+    assert "b < 16" in text and "b <= 15" in text
+    assert "optimizer=None" in text
+
+
+def test_to_dict_is_json(linear_report):
+    d = linear_report.to_dict()
+    loaded = json.loads(json.dumps(d))
+    for key in ("peak_bytes", "peak", "breakdown", "pieces", "modules"):
+        assert key in loaded
+    assert loaded["peak_bytes"] == 1320
+    assert loaded["peak"] == "96*b + 552"
+    assert sum(loaded["breakdown"].values()) == 1320
+    assert loaded["breakdown"]["parameters"] == 272
+    assert loaded["pieces"][0]["bytes"] == [552, 96]
+    assert loaded["modules"][0]["param_bytes"] == 272
+
+
+def test_to_dict_of_a_zoo_model_is_json():
+    model, make_sample, loss_fn = models_zoo.get("tied_autoencoder", "debug")
+    d = estimator.report(model, make_sample(4), loss_fn=loss_fn).to_dict()
+    assert json.loads(json.dumps(d))["peak_bytes"] == d["peak_bytes"]
+
+
+def test_graph_is_aten(linear_report):
+    # The brief specified an fx.GraphModule; commit 9316638 ("own recorder instead of make_fx")
+    # made Report.graph an fx.Graph (estimator/report/result.py).  Both expose .nodes.
+    graph = linear_report.graph
+    assert isinstance(graph, (fx.Graph, fx.GraphModule))
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    ops = [t for t in targets if isinstance(t, torch._ops.OpOverload)]
+    assert ops, "no aten op in the graph"
+    assert all(t.namespace == "aten" for t in ops), {str(t) for t in ops}
+    names = {str(t) for t in ops}
+    assert {"aten.addmm.default", "aten.mean.default", "aten.mm.default"} <= names
+    # every other call_function is shape arithmetic on SymInts, not a tensor op
+    others = [t for t in targets if not isinstance(t, torch._ops.OpOverload)]
+    assert all(getattr(t, "__module__", "") in ("_operator", "operator", "torch", "math") for t in others), others
+    # nodes carry fxmem's per-op memory: the live bytes after addmm are 64b + 272 + 16b
+    (addmm,) = [n for n in graph.nodes if str(n.target) == "aten.addmm.default"]
+    assert addmm.meta["fxmem"]["live"] == 80 * estimator.B + 272
+
+
+def test_report_does_not_modify_the_model():
+    model, make_sample, loss_fn = models_zoo.get("bert", "debug")
+    model.eval()  # report(mode="train") must not flip it
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    flags = {n: m.training for n, m in model.named_modules()}
+    estimator.report(model, make_sample(4), mode="train", optimizer="adamw", loss_fn=loss_fn)
+    assert dict(model.named_parameters()) == params  # same objects
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, values[n]) and p.grad is None
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n])
+    assert {n: m.training for n, m in model.named_modules()} == flags
+
+
+def test_report_does_not_modify_sample_or_batchnorm_stats():
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8))
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 16)
+    x_before = x.clone()
+    estimator.report(model, x, mode="train")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(x, x_before)
+    assert model.training
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_meta_device_model(mode):
+    real, make_sample, loss_fn = models_zoo.get("gpt", "debug")
+    meta, _, _ = models_zoo.get("gpt", "debug", device="meta")
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    rep_real = estimator.report(real, make_sample(8), mode=mode, loss_fn=loss_fn)
+    rep_meta = estimator.report(meta, make_sample(8), mode=mode, loss_fn=loss_fn)
+    assert rep_meta.peak_bytes == rep_real.peak_bytes
+    assert rep_meta.peak == rep_real.peak
+
+
+def test_cuda_device_adds_a_note(linear_report):
+    rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cuda")
+    assert rep.device == "cuda" and rep.peak_bytes == linear_report.peak_bytes
+    assert any("not modelled" in n for n in rep.notes)
+
+
+def test_module_rows(linear_report):
+    (row,) = linear_report.modules
+    assert (row.path, row.type, row.params, row.param_bytes) == ("", "Linear", 68, 272)
+    # out (16b) + loss (4) are the forward allocations alive when backward starts
+    assert row.activations(8) == 16 * 8 + 4
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1.5 GiB", 1610612736),  # 1.5 * 2**30
+    ("40 GB", 40 * 10**9),
+    ("80GiB", 80 * 2**30),
+    ("512MiB", 512 * 2**20),
+    ("512 mib", 512 * 2**20),
+    ("2K", 2048),
+    ("1000", 1000),
+    (" 3 kB ", 3000),
+    (4096, 4096),
+    (1.5, 1),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("n,expected", [
+    (0, "0 B"),
+    (1023, "1023 B"),
+    (1536, "1.50 KiB"),
+    (2**20, "1.00 MiB"),
+    (1610612736, "1.50 GiB"),
+    (3 * 2**40, "3.00 TiB"),
+])
+def test_format_bytes(n, expected):
+    assert format_bytes(n) == expected
+
+
+@pytest.mark.gpu
+def test_cuda_available_for_gpu_marker():
+    assert torch.cuda.is_available()
