@@ -27,8 +27,6 @@ CUDA_NOT_MODELLED = (
     "workspace, what CUDA kernels save (SDPA backends, cuDNN), the optimizer's foreach "
     "implementation on CUDA, and the CUDA context."
 )
-# Batch sizes of the concrete fallback, offsets from the requested batch (>= 2).
-FALLBACK_OFFSETS = (0, 1, 2)
 
 
 def report(
@@ -98,9 +96,8 @@ def report(
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph, note = _concrete(model, sample, spec, hint, exc)
-        path, guards = CapturePath.CONCRETE, ()
-        valid_from, valid_to = 2, None
+        timeline, graph, valid_to, note = _concrete(model, sample, spec, hint, exc)
+        path, guards, valid_from = CapturePath.CONCRETE, (), 2
         notes.append(note + "; assumed linear elsewhere")
     if device_ == "cuda":
         notes.append(CUDA_NOT_MODELLED)
@@ -191,41 +188,39 @@ def _named_tensors(sample: Any, prefix: str = ""):
             yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
-def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception) -> tuple[Timeline, Any, str]:
-    """Fit concrete captures at ``hint, hint+1, hint+2``; returns the timeline, the graph and a note.
+def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
+    """Fit concrete captures; returns the timeline, the graph, the last valid b and a note.
 
-    Memory that is linear only up to rounding (kernel workspaces rounded to pages) gets one
-    more capture at ``4 * hint`` and the line through the two ends; the note states the
-    largest deviation of that line from the captures.
+    The captures are at ``hint``, ``hint + 1`` and ``4 * hint`` (far apart, so that memory
+    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2`` is
+    used instead and the formula holds up to it only.  Memory that is linear only up to
+    rounding (kernel workspaces rounded to pages) gets the line through the two ends, exact
+    at ``hint``; the note states its largest deviation from the captures.
     """
-    batches = [hint + k for k in FALLBACK_OFFSETS]
-    raws = [capture(model, sample, spec, b, symbolic=False) for b in batches]
-    for b, raw in zip(batches[1:], raws[1:]):
-        _check_same_ops(raws[0], raw, hint, b, why)
-    timelines = [account(r) for r in raws]
-    note = (
-        f"symbolic capture failed ({why}); the formula is fitted from fake runs at "
-        f"b = {', '.join(map(str, batches))}"
-    )
-    try:
-        return fit_timelines(batches, timelines), raws[0].graph, note
-    except NotPolynomial:
-        far = 4 * hint
+    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, hint + 1)]
+    _check_same_ops(near[0], near[1], hint, hint + 1, why)
+    far, valid_to = 4 * hint, None
+    raw = capture(model, sample, spec, far, symbolic=False)
+    if [op.name for op in raw.ops] != [op.name for op in near[0].ops]:
+        far, valid_to = hint + 2, hint + 2
         raw = capture(model, sample, spec, far, symbolic=False)
-        _check_same_ops(raws[0], raw, hint, far, why)
-        fitted = fit_timelines([hint, far], [timelines[0], account(raw)], exact=False)
-        timelines.append(account(raw))
+        _check_same_ops(near[0], raw, hint, far, why)
+    batches, raws = [hint, hint + 1, far], [*near, raw]
+    timelines = [account(r) for r in raws]
+    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {hint + 1}, {far}"
+    try:
+        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note
+    except NotPolynomial:
+        fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
         deviation = max(
-            abs(op.total(b) - t.ops[i].total(b))
-            for b, t in zip([*batches, far], timelines)
-            for i, op in enumerate(fitted.ops)
+            abs(op.total(b) - t.ops[i].total(b)) for b, t in zip(batches, timelines) for i, op in enumerate(fitted.ops)
         )
         note += (
-            f", {far}; memory is linear in b only up to rounding (e.g. kernel workspaces rounded to "
-            f"pages): the line through b = {hint} and {far} is within {deviation:,} B of every capture, "
-            f"exact at b = {hint}"
+            f"; memory is linear in b only up to rounding (kernel buffers rounded to 4 KiB pages): the "
+            f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
+            "other captures, and elsewhere by up to a page per rounded buffer"
         )
-        return fitted, raws[0].graph, note
+        return fitted, raws[0].graph, valid_to, note
 
 
 def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:

@@ -138,11 +138,6 @@ def test_linear_adam(optimizer):
     assert measure_cpu(nn.Linear(16, 4), linear_x(b), optimizer=optimizer).peak_bytes == 7248
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Python-scalar operands are not counted. `exp_avg_sq.sqrt() / bias_correction2_sqrt` "
-    "(a Python float) allocates an 8-byte wrapped float64 0-dim tensor plus a 4-byte fp32 cast "
-    "inside TensorIterator while sqrt and the quotient are alive: the optimizer-phase peak is "
-    "12 B higher than estimated (2252 estimated vs 2264 measured)"))
 def test_linear_adamw_optimizer_phase_peak_exact():
     # At b = 8 the optimizer piece is the peak: 80*8 + 1612 = 2252 at aten level, plus the 8 B
     # wrapped Python float and its 4 B fp32 copy that the CPU allocator really sees = 2264.
@@ -153,11 +148,7 @@ def test_linear_adamw_optimizer_phase_peak_exact():
 
 
 @pytest.mark.parametrize("optimizer", [
-    pytest.param("adagrad", marks=pytest.mark.xfail(strict=True, raises=estimator.CaptureError, reason=(
-        "BUG: optimizers that create their state in __init__ (Adagrad: state['step'] = "
-        "torch.tensor(0.0)) are built by step.prepare() outside the FakeTensorMode in capture(): "
-        "the step tensor is a real tensor and `_get_value(step_t)` -> aten._local_scalar_dense "
-        "fails with 'Please convert all Tensors to FakeTensors first'"))),
+    "adagrad",
     "rmsprop",
 ])
 def test_linear_adagrad_rmsprop(optimizer):

@@ -162,48 +162,42 @@ class PerRow(nn.Module):
         return torch.stack([y[i] for i in range(x.shape[0])])
 
 
-SPECIALIZED_BUG = (
-    "BUG: a batch dimension specialized by the model (int(x.shape[0]), range(x.shape[0]); also "
-    "nn.GRU and bicubic F.interpolate) is not detected: estimator/capture/trace.py "
-    "_to_batch_symbol collects symbols from as_expr(t.shape[0]), which is already the Integer 8 "
-    "once specialized, so no symbol is checked; the capture is reported SYMBOLIC with a constant "
-    "formula valid for 2 <= b (Specializes train: at(40) = 1320 = the b=8 value)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SPECIALIZED_BUG)
-@pytest.mark.parametrize("model_cls", [Specializes, PerRow])
 @pytest.mark.parametrize("mode", MODES)
-def test_specialized_batch_falls_back_to_concrete(model_cls, mode):
+def test_specialized_batch_falls_back_to_concrete(mode):
+    # int(x.shape[0]) fixes the batch size in the symbolic run: detected, and the concrete
+    # fallback (same ops at every size) gives the formula.
+    model_cls = Specializes
     rep = estimator.report(model_cls(), torch.randn(8, 16), mode=mode, optimizer="sgd")
+    assert any("fixes the batch size" in note for note in rep.notes)
     for b in (17, 40):
         fresh = estimator.report(model_cls(), torch.randn(b, 16), mode=mode, optimizer="sgd")
         assert rep.at(b) == fresh.peak_bytes
     assert rep.path is CapturePath.CONCRETE
 
 
-LSTM_BUG = (
-    "BUG: the concrete fallback fits a line through fake runs at b, b+1, b+2, but LSTM memory is "
-    "not linear in b: the fake mkldnn_rnn_layer workspace is a step function of b (nn.LSTM(8, 16), "
-    "seq 5, train: 55936/60480/60928/61376/65920 B at b = 6..10) and so is the rnn scratch "
-    "correction being added; depending on b the report raises CaptureError ('memory is not "
-    "linear in b: bytes [598016, 693760, 764928] at b=[8, 9, 10]' for the zoo rnn train) or "
-    "extrapolates wrongly (nn.LSTM inference: at(17) = 63960 from b = 8..10, 84440 captured at 17)"
-)
+@pytest.mark.parametrize("mode", MODES)
+def test_python_loop_over_the_batch_is_refused(mode):
+    # One op per row: the op sequence depends on b, so there is no per-op formula; a clear
+    # error instead of a silently wrong number.
+    with pytest.raises(estimator.CaptureError, match="runs different ops at b=8 and b=9"):
+        estimator.report(PerRow(), torch.randn(8, 16), mode=mode, optimizer="sgd")
 
 
-@pytest.mark.xfail(strict=True, reason=LSTM_BUG)
 @pytest.mark.parametrize("mode", MODES)
 def test_concrete_fallback_matches_fresh_capture(mode):
     # The zoo's LSTM/GRU model cannot run with a symbolic batch (at::native::lstm calls
-    # numel()): the formula is fitted from fake runs at b = 8, 9, 10 and must agree with a fresh
-    # capture at another batch size.
+    # numel()): the formula is fitted from fake runs at b = 8, 9, 32.  The LSTM kernel's
+    # buffers are rounded to 4 KiB pages, so memory is linear in b only up to that rounding:
+    # exact at the requested batch, within 2 % of a fresh capture elsewhere (measured: at most
+    # 1.4 % at b = 3 in train), and the report says so.
     model, make_sample, loss_fn = models_zoo.get("rnn", "debug")
     rep = estimator.report(model, make_sample(8), mode=mode, loss_fn=loss_fn)
     assert rep.path is CapturePath.CONCRETE
-    assert any("symbolic capture failed" in n for n in rep.notes)
-    for b in (17, 40):
-        assert rep.at(b) == estimator.report(model, make_sample(8), batch=b, mode=mode, loss_fn=loss_fn).peak_bytes
+    assert any("symbolic capture failed" in n and "rounded to 4 KiB pages" in n for n in rep.notes)
+    assert rep.at(8) == rep.peak_bytes
+    for b in (3, 17, 40):
+        fresh = estimator.report(model, make_sample(8), batch=b, mode=mode, loss_fn=loss_fn).peak_bytes
+        assert abs(rep.at(b) - fresh) <= 0.02 * fresh
 
 
 class LSTMModel(nn.Module):
@@ -215,12 +209,16 @@ class LSTMModel(nn.Module):
         return self.lstm(x)[0]
 
 
-@pytest.mark.xfail(strict=True, reason=LSTM_BUG)
 @pytest.mark.parametrize("mode", MODES)
 def test_plain_lstm_reports(mode):
+    # A tiny LSTM (peak ~80 KB) where page rounding of oneDNN's scratch (several 4 KiB pages)
+    # is a large share: exact at b = 8, within 10 % at b = 17 (measured 6.8 % train, 7.9 %
+    # inference).
     rep = estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd")
     assert rep.path is CapturePath.CONCRETE
-    assert rep.at(17) == estimator.report(LSTMModel(), torch.randn(17, 5, 8), mode=mode, optimizer="sgd").peak_bytes
+    assert rep.peak_bytes == estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd").peak_bytes
+    fresh = estimator.report(LSTMModel(), torch.randn(17, 5, 8), mode=mode, optimizer="sgd").peak_bytes
+    assert abs(rep.at(17) - fresh) <= 0.10 * fresh
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,10 +56,12 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     fmodel = fake_model(model, mode)
     fsample = fake_sample(sample, mode, batch, symbolic)
-    optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
+    batch_symbols = _batch_symbols(fsample)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()})
 
     with _errors_named(symbolic), mode:
+        # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
+        optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
         # Steady state: optimizer state is created lazily by the first step().  Static shapes
         # make this unmeasured step cheap (no symbolic arithmetic).
         warmup = step.run(fmodel, fake_sample(sample, mode, batch, symbolic=False), spec.mode, optimizer, spec.loss_fn)
@@ -78,27 +80,35 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
-    inputs = [t for t in tree_flatten(fsample)[0] if isinstance(t, torch.Tensor)]
-    return _to_batch_symbol(tracker, graph, shape_env, inputs)
+    return _to_batch_symbol(tracker, graph, shape_env, batch_symbols)
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
     return Storage(nbytes, storage.category, storage.op)
 
 
-def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, inputs: list[torch.Tensor]) -> RawCapture:
-    """Map the batch symbols (the warm-up's and the traced inputs') to ``b``; read the guards."""
-    # A fake input's storage size can carry a symbol of its own besides its shape's.
+def _batch_symbols(fsample) -> set[sympy.Symbol]:
+    """The symbols of the batch size, read before the step runs (the model's code may
+    specialize them to a constant, which must then be detected).  A fake input's storage
+    size can carry a symbol of its own besides its shape's."""
     symbols = set()
-    for t in inputs:
-        for value in (t.shape[0], t.untyped_storage().nbytes()):
-            symbols |= sympy.sympify(as_expr(value)).free_symbols
+    for t in tree_flatten(fsample)[0]:
+        if isinstance(t, torch.Tensor):
+            for value in (t.shape[0], t.untyped_storage().nbytes()):
+                symbols |= sympy.sympify(as_expr(value)).free_symbols
+    return symbols
+
+
+def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols: set[sympy.Symbol]) -> RawCapture:
+    """Map the batch symbols to ``b`` and read the valid range from the guards."""
     lo, hi = 2, None
     for symbol in symbols:
         resolved = shape_env.replace(symbol)
         if not isinstance(resolved, sympy.Symbol):
-            raise SymbolicCaptureFailed(f"the batch size was specialized to {resolved} by the model's code")
+            raise SymbolicCaptureFailed(f"the model's code fixes the batch size (to {resolved})")
         value_range = shape_env.var_to_range[resolved]
+        if value_range.lower == value_range.upper:
+            raise SymbolicCaptureFailed(f"the model's code fixes the batch size (to {value_range.lower})")
         lo = max(lo, int(value_range.lower))
         if value_range.upper.is_Integer:  # else int_oo: unbounded
             hi = int(value_range.upper) if hi is None else min(hi, int(value_range.upper))

@@ -66,7 +66,35 @@ def bind(func, args, kwargs) -> dict[str, Any]:
 
 def lookup(func, args, kwargs, out) -> Fix:
     fn = _REGISTRY.get(func)
-    return NO_FIX if fn is None else fn(args, kwargs, out)
+    fix = NO_FIX if fn is None else fn(args, kwargs, out)
+    wrapped = _wrapped_scalar_bytes(func, args, out)
+    if wrapped:
+        # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
+        fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)))
+    return fix
+
+
+_TENSOR_POSITIONS: dict[Any, tuple[int, ...]] = {}
+_WIDE = (torch.float64, torch.int64)  # the dtypes Python numbers are wrapped in
+
+
+def _wrapped_scalar_bytes(func, args, out) -> int:
+    """The one rule that is not per-op: a Python number passed where the schema says Tensor
+    (``aten.div.Tensor(t, 0.5)``) is wrapped into a 0-dim double/int64 tensor (8 B,
+    ``scalar_to_tensor`` in aten/src/ATen/ScalarOps.h) and TensorIterator copies it to the
+    result's dtype (``itemsize`` B unless that is double/int64).  Measured: ``x / 0.5`` on
+    fp32 allocates 8 + 4 B besides its output; on bf16 8 + 2; on fp64 8.
+    """
+    positions = _TENSOR_POSITIONS.get(func)
+    if positions is None:
+        positions = tuple(
+            i for i, a in enumerate(func._schema.arguments) if isinstance(a.type, torch.TensorType)
+        )
+        _TENSOR_POSITIONS[func] = positions
+    count = sum(1 for i in positions if i < len(args) and type(args[i]) in (int, float))
+    if not count or not isinstance(out, torch.Tensor):
+        return 0
+    return count * (8 + (0 if out.dtype in _WIDE else out.element_size()))
 
 
 def registered() -> dict[Any, CorrectionFn]:
