@@ -104,8 +104,10 @@ def _check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise InputError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
     if loss.dim() != 0:
+        # A symbolic size prints as its hint (the sample's batch size), not as a symbol.
+        shape = tuple(d.node.hint if isinstance(d, torch.SymInt) else d for d in loss.shape)
         raise InputError(
-            f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}: reduce it "
+            f"loss_fn must return a scalar tensor, got shape {shape}: reduce it "
             "(e.g. .mean()) before returning"
         )
     if not loss.requires_grad:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +61,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     with _errors_named(symbolic), mode:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
-        # Steady state: optimizer state is created lazily by the first step().  Static shapes
-        # make this unmeasured step cheap (no symbolic arithmetic).
-        warmup = step.run(fmodel, fake_sample(sample, mode, batch, symbolic=False), spec.mode, optimizer, spec.loss_fn)
-        del warmup
+        _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, symbolic=False), spec, optimizer)
         for category, tensors in step.state_tensors(fmodel, optimizer, fsample).items():
             tracker.register(tensors, category)
         with tracker, _module_hooks(tracker):
@@ -81,6 +77,24 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
     return _to_batch_symbol(tracker, graph, shape_env, batch_symbols)
+
+
+def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer) -> None:
+    """Reach the steady state the measured step starts from.
+
+    Optimizer state is created lazily by the first ``step()``; it depends on the parameters'
+    shapes only, so a step on zero gradients creates it without a forward and backward.  Lazy
+    modules (``nn.LazyLinear``…) need a real first step, on a static sample (cheaper: no
+    symbolic arithmetic).
+    """
+    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
+        result = step.run(model, make_static_sample(), spec.mode, optimizer, spec.loss_fn)
+        del result
+    elif optimizer is not None:
+        for p in step.trainable(model):
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:

@@ -132,10 +132,12 @@ class Tracker(TorchDispatchMode):
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # The autograd node of this op was created just before dispatch.
             self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
+        fix = corrections.lookup(func, args, kwargs, out)
+        if fix.outputs is not None:
+            out = fix.outputs
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
         index = len(self.ops)
         self.ops.append(event)
-        fix = corrections.lookup(func, args, kwargs, out)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for i, t in enumerate(outputs):
             key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))

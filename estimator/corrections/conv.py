@@ -211,7 +211,6 @@ def convolution_backward(args, kwargs, out) -> Fix:
         copy = 0 if _contiguous(grad_out) else N * Cg * Hg * Wg * dsz
         return Fix(scratch=(copy + go_r + N * Cin * H * W * dsz,))
     one_by_one = kh == 1 and kw == 1
-    outs = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
     gi = N * Cin * H * W * dsz if mask[0] else 0
     gw = Cout * Cin * kh * kw * dsz if mask[1] else 0
     gb = Cout * dsz if len(mask) > 2 and mask[2] else 0

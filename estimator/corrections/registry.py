@@ -10,6 +10,8 @@ possibly symbolic) and returns a ``Fix``:
 - ``scratch``: kernel-internal memory alive only while the op runs, as the extra bytes at
   each local maximum inside the kernel, relative to "inputs and outputs alive".  Several
   values because which one is largest can depend on ``b``; each becomes a candidate peak.
+- ``outputs``: replacement outputs, for a fake kernel whose outputs alias where the real
+  kernel's do not (the aliasing changes what autograd copies); None keeps them.
 
 Values are ints or sympy expressions: convert shapes with ``estimator.capture.tracker.as_expr``
 and compute with sympy, never with SymInts (make_fx would record the arithmetic, and a Python
@@ -31,6 +33,7 @@ aten = torch.ops.aten
 class Fix:
     output_bytes: dict[int, Any] = field(default_factory=dict)
     scratch: tuple[Any, ...] = ()
+    outputs: Any = None
 
 
 NO_FIX = Fix()
@@ -70,7 +73,7 @@ def lookup(func, args, kwargs, out) -> Fix:
     wrapped = _wrapped_scalar_bytes(func, args, out)
     if wrapped:
         # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
-        fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)))
+        fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)), fix.outputs)
     return fix
 
 

@@ -144,8 +144,10 @@ def mkldnn_rnn_layer_backward(args, kwargs, out) -> Fix:
     """aten.mkldnn_rnn_layer_backward (RNN.cpp ``mkldnn_rnn_layer_backward``).
 
     Outputs: (diff_x, diff_w_ih, diff_w_hh, diff_b, diff_b2, diff_hx, diff_cx).  The meta kernel
-    returns diff_b twice as one tensor; the real one returns ``diff_b.clone()`` as the second,
-    so 4H*4 more bytes (put on output 3, the storage both fake outputs share).
+    returns diff_b twice as one tensor (sometimes: not on a fake-tensor cache hit); the real one
+    returns ``diff_b.clone()`` as the second.  The fix makes it a clone every time: with one
+    tensor, AccumulateGrad copies the first bias gradient instead of stealing it, and whether
+    it does depended on the cache.
 
     Allocation order (profiler): grad_output.contiguous() when it is not, zeros for an
     undefined grad_hy / grad_cy (B*H*4 each), shuffled bias (4H*dsz), the six outputs,
@@ -168,4 +170,7 @@ def mkldnn_rnn_layer_backward(args, kwargs, out) -> Fix:
     # peak - (all outputs, clone included): the clone (4H*4) comes after the peak, the 4H*4
     # diff-bias buffer is alive at it: they cancel.
     scratch = pre + bias + diff_reorders + weights + backward_scratch(T, B, I, H, dsz)
-    return Fix(output_bytes={3: 4 * H * 4}, scratch=(scratch,))
+    outputs = None
+    if out[4] is out[3] or out[4].untyped_storage()._cdata == out[3].untyped_storage()._cdata:
+        outputs = (*out[:4], out[3].clone(), *out[5:])
+    return Fix(scratch=(scratch,), outputs=outputs)
