@@ -21,8 +21,8 @@ B = sympy.Symbol("b", integer=True, positive=True)
 def as_expr(value):
     """An int, or the sympy expression of a SymInt (other values unchanged).
 
-    Arithmetic on SymInts would be recorded into the fx graph by make_fx and comparisons
-    would add shape guards; on their sympy expressions it is plain bookkeeping.
+    Arithmetic on SymInts is traced and comparisons add shape guards; on their sympy
+    expressions it is plain bookkeeping.
     """
     import torch
 

@@ -32,3 +32,14 @@ def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
     targets = input_ids[:, 1:]  # (B, T-1)
     # float32 upcast: fp16/bf16 softmax over a large vocab loses too much precision
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def token_sample(vocab_size: int, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
+    """The causal language models' sample: ``{"input_ids": (batch, seq_len) int64}``."""
+    check_batch(batch)
+    return {"input_ids": randint(vocab_size, batch, seq_len)}
+
+
+def lm_loss(output: torch.Tensor, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The causal language models' loss: next-token cross-entropy on the sample's ids."""
+    return next_token_loss(output, sample["input_ids"])

@@ -124,14 +124,5 @@ class GPT(nn.Module):
         return self.lm_head(x)  # (B, T, vocab_size)
 
 
-def make_sample(cfg: Config, batch: int) -> dict[str, torch.Tensor]:
-    _common.check_batch(batch)
-    return {"input_ids": _common.randint(cfg.vocab_size, batch, cfg.block_size)}
-
-
-def loss_fn(output: torch.Tensor, sample: dict[str, torch.Tensor]) -> torch.Tensor:
-    return _common.next_token_loss(output, sample["input_ids"])
-
-
 def make(cfg: Config):
-    return GPT(cfg), partial(make_sample, cfg), loss_fn
+    return GPT(cfg), partial(_common.token_sample, cfg.vocab_size, cfg.block_size), _common.lm_loss

@@ -109,14 +109,5 @@ class LoRATransformer(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
 
 
-def make_sample(cfg: Config, batch: int) -> dict[str, torch.Tensor]:
-    _common.check_batch(batch)
-    return {"input_ids": _common.randint(cfg.vocab_size, batch, cfg.seq_len)}
-
-
-def loss_fn(output: torch.Tensor, sample: dict[str, torch.Tensor]) -> torch.Tensor:
-    return _common.next_token_loss(output, sample["input_ids"])
-
-
 def make(cfg: Config):
-    return LoRATransformer(cfg), partial(make_sample, cfg), loss_fn
+    return LoRATransformer(cfg), partial(_common.token_sample, cfg.vocab_size, cfg.seq_len), _common.lm_loss

@@ -50,14 +50,5 @@ class RNNLM(nn.Module):
         return self.head(self.drop(x))  # (B, T, vocab_size)
 
 
-def make_sample(cfg: Config, batch: int) -> dict[str, torch.Tensor]:
-    _common.check_batch(batch)
-    return {"input_ids": _common.randint(cfg.vocab_size, batch, cfg.seq_len)}
-
-
-def loss_fn(output: torch.Tensor, sample: dict[str, torch.Tensor]) -> torch.Tensor:
-    return _common.next_token_loss(output, sample["input_ids"])
-
-
 def make(cfg: Config):
-    return RNNLM(cfg), partial(make_sample, cfg), loss_fn
+    return RNNLM(cfg), partial(_common.token_sample, cfg.vocab_size, cfg.seq_len), _common.lm_loss

@@ -9,6 +9,7 @@ from torch import nn
 
 import estimator
 from estimator import CaptureError, FxmemError, InputError
+from tests.models import TwoInputs
 
 
 def lin():
@@ -17,15 +18,6 @@ def lin():
 
 def x8():
     return torch.randn(8, 16)
-
-
-class TwoInputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(16, 4)
-
-    def forward(self, a, c):
-        return self.l(a) + self.l(c)
 
 
 @pytest.mark.parametrize("model,match", [

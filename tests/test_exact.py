@@ -35,6 +35,7 @@ from torch import nn
 import estimator
 from estimator import Category, Phase, Poly
 from validators.cpu import measure_cpu
+from tests.models import TwoInputs
 
 C = Category
 
@@ -267,15 +268,6 @@ def test_tied_weight_counted_once_train():
 
 # --------------------------------------------------------------------------------------------
 # Samples and outputs
-
-
-class TwoInputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(16, 4)
-
-    def forward(self, a, c):
-        return self.l(a) + self.l(c)
 
 
 def test_same_tensor_under_two_keys_counted_once():

@@ -8,7 +8,7 @@ node's ``meta["tensor_meta"]`` holds its output's shape, dtype and stride (no va
 graph must not keep storages alive, or frees would not be seen).
 
 This is the eager program exactly as it ran — the same ops ``make_fx`` would record — at a
-quarter of ``make_fx``'s cost, and without its proxies' hold on every output.
+fraction of ``make_fx``'s cost, and without its hold (``node.meta["val"]``) on every output.
 """
 
 from __future__ import annotations

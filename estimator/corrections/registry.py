@@ -14,7 +14,7 @@ possibly symbolic) and returns a ``Fix``:
   kernel's do not (the aliasing changes what autograd copies); None keeps them.
 
 Values are ints or sympy expressions: convert shapes with ``estimator.capture.tracker.as_expr``
-and compute with sympy, never with SymInts (make_fx would record the arithmetic, and a Python
+and compute with sympy, never with SymInts (the arithmetic would be traced, and a Python
 comparison would add a shape guard).
 """
 
