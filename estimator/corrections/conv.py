@@ -27,7 +27,7 @@ import sympy
 import torch
 
 from estimator.capture.tracker import as_expr
-from estimator.corrections.registry import NO_FIX, Fix, correction
+from estimator.corrections.registry import NO_FIX, Fix, bind, correction
 from estimator.errors import SymbolicCaptureFailed
 
 aten = torch.ops.aten
@@ -47,13 +47,6 @@ def _rup(x, m):
 
 def _is_symbolic(x) -> bool:
     return not isinstance(x, int)
-
-
-def _conv_args(args, kwargs):
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
-    values = dict(zip(names, args))
-    values.update(kwargs)
-    return values
 
 
 def uses_mkldnn(N, C, H, W, kh, kw, strided, dilated, groups, threads) -> bool:
@@ -90,7 +83,7 @@ def convolution(args, kwargs, out) -> Fix:
       stride 1, no padding conv).
     Measured: 24 distinct zoo shapes x 3 batches x grad on/off, every sequence exact.
     """
-    a = _conv_args(args, kwargs)
+    a = bind(aten.convolution.default, args, kwargs)
     x, w, bias = a["input"], a["weight"], a["bias"]
     if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return NO_FIX

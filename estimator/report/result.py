@@ -10,7 +10,7 @@ from typing import Any
 import sympy
 from torch import fx
 
-from estimator.account import CATEGORIES, Timeline
+from estimator.account import Timeline
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
 from estimator.symbolic import Poly, max_fitting
@@ -115,10 +115,6 @@ class Report:
         """Whether the step at ``b`` (default: ``batch``) fits in ``budget``."""
         peak = self.peak_bytes if b is None else self.at(b)
         return peak <= parse_bytes(budget)
-
-    @property
-    def categories(self) -> tuple[Category, ...]:
-        return CATEGORIES
 
     def to_dict(self) -> dict[str, Any]:
         from estimator.report.render import to_dict
