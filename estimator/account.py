@@ -33,10 +33,11 @@ class OpMemory:
     live: Vector  # bytes alive by category once the op's outputs exist
     allocated: Vector  # bytes this op allocated, by category
     scratch: tuple[Poly, ...] = ()  # kernel-internal temporaries on top of ``live`` (corrections)
+    total: Poly | None = None  # sum of ``live`` (computed when not given)
 
-    @property
-    def total(self) -> Poly:
-        return _sum(self.live)
+    def __post_init__(self) -> None:
+        if self.total is None:
+            object.__setattr__(self, "total", _sum(self.live))
 
     def peaks(self) -> list[Poly]:
         """The candidate peaks of this op: ``total`` and ``total + s`` for each scratch value."""
@@ -83,20 +84,26 @@ def account(raw: RawCapture) -> Timeline:
         if storage.op < 0:
             current[_INDEX[storage.category]] += storage.nbytes
     baseline = tuple(current)
+    total = _sum(current)
 
     ops = []
     for i, event in enumerate(raw.ops):
         allocated = [ZERO] * len(CATEGORIES)
         for sid in event.allocs:
             storage = raw.storages[sid]
-            allocated[_INDEX[storage.category]] += storage.nbytes
-        current = [c + a for c, a in zip(current, allocated)]
+            k = _INDEX[storage.category]
+            allocated[k] += storage.nbytes
+            current[k] += storage.nbytes
+            total += storage.nbytes
         ops.append(
-            OpMemory(i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch)
+            OpMemory(
+                i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch, total
+            )
         )
         for sid in event.frees:
             storage = raw.storages[sid]
             current[_INDEX[storage.category]] -= storage.nbytes
+            total -= storage.nbytes
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
     return Timeline(baseline, tuple(ops), storages)
