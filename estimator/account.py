@@ -136,3 +136,30 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
     if all(len(t.storages) == len(storages) for t in timelines):
         storages = tuple((line([t.storages[k][0] for t in timelines]),) + storages[k][1:] for k in range(len(storages)))
     return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages)
+
+
+def allocation_events(timeline: Timeline, b: int):
+    """The step's allocations and frees in program order at batch size ``b``, as
+    ``("alloc", key, nbytes)`` / ``("free", key, 0)``: the state alive before the step first,
+    then for each op its outputs, its kernel scratch (the largest candidate, allocated and
+    freed inside the op), and the storages dropped after it.  Input for an allocator model
+    (``estimator.target.cuda_allocator.replay``).
+    """
+    allocs: dict[int, list[int]] = {}
+    frees: dict[int, list[int]] = {}
+    for key, (nbytes, _, op, freed_after) in enumerate(timeline.storages):
+        allocs.setdefault(op, []).append(key)
+        if freed_after is not None:
+            frees.setdefault(freed_after, []).append(key)
+    sizes = [s[0](b) for s in timeline.storages]
+    for key in allocs.get(-1, []):
+        yield "alloc", key, sizes[key]
+    for i, op in enumerate(timeline.ops):
+        for key in allocs.get(i, []):
+            yield "alloc", key, sizes[key]
+        scratch = max((s(b) for s in op.scratch), default=0)
+        if scratch > 0:
+            yield "alloc", ("scratch", i), scratch
+            yield "free", ("scratch", i), 0
+        for key in frees.get(i, []):
+            yield "free", key, 0
