@@ -1,0 +1,1 @@
+"""Models of the runtime targets fxmem estimates for (allocators, devices)."""
