@@ -98,7 +98,7 @@ def report(
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         timeline, graph, valid_to, note = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
-        notes.append(note + "; assumed linear elsewhere")
+        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
     if device_ == "cuda":
         notes.append(CUDA_NOT_MODELLED)
     _annotate(graph, timeline)
