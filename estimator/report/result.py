@@ -121,6 +121,24 @@ class Report:
 
         return to_dict(self)
 
+    def to_latex(self) -> str:
+        """The peak and each category at the peak as a LaTeX ``align*`` block (bytes, MiB)."""
+        from estimator.report.formulas import to_latex
+
+        return to_latex(self)
+
+    def to_markdown(self) -> str:
+        """The peak formula and a Markdown table of the categories at the peak."""
+        from estimator.report.formulas import to_markdown
+
+        return to_markdown(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``to_dict()`` as JSON, with exact integer coefficients of every formula."""
+        from estimator.report.formulas import to_json
+
+        return to_json(self, indent)
+
     def __str__(self) -> str:
         from estimator.report.render import table
 
