@@ -183,3 +183,13 @@ def test_lstm_model_against_measurement(mode):
     # 0.5 %: the backward's diff_b clone is modelled on the storage both fake outputs share,
     # which can die a little later than the real clone (1 KB here).
     assert abs(predicted - meas.peak_bytes) <= TOL * meas.peak_bytes, (predicted, meas.peak_bytes)
+
+
+def test_batch_norm_scratch_inference():
+    # BatchNorm2d(32) eval, x (4, 32, 8, 8) fp32: weight + bias 2*32*4 = 256, running stats
+    # 2*32*4 + num_batches_tracked 8 = 264, input 4*32*8*8*4 = 32768, output 32768, and the
+    # kernel's two per-channel temporaries 2*32*4 = 256: 256 + 264 + 32768 + 32768 + 256 = 66312.
+    x = torch.randn(4, 32, 8, 8)
+    rep = estimator.report(torch.nn.BatchNorm2d(32), x, mode="inference")
+    assert rep.peak_bytes == 66312
+    assert measure_cpu(torch.nn.BatchNorm2d(32), x, mode="inference").peak_bytes == 66312

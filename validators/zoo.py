@@ -61,14 +61,8 @@ def summary(rows: list[Row]) -> dict[str, float]:
 RESIDUALS = """\
 ## Known residuals
 
-- **resnet inference, −256 B**: `native_batch_norm` in eval allocates two per-channel
-  temporaries inside the kernel (2 × C × 4 B) that the fake kernel does not show; no
-  correction registered yet.
 - **bert / lora / vit / tied_autoencoder train, −12 to −96 B**: small reduction buffers inside
   `mean.dim` and scalar ops of the optimizer step.
-- **rnn train, +1,024 B at b = 2 and 8**: the fake `mkldnn_rnn_layer_backward` returns one
-  storage twice for `diff_b` where the real kernel returns a separate clone; the correction
-  adds the clone's bytes, but the shared fake storage dies slightly later than the real one.
 - **rnn (any mode), other batch sizes**: the LSTM kernel rounds its buffers to 4 KiB pages, so
   memory is linear in `b` only up to that rounding. The report is exact at the requested batch
   and says so in its notes; `rep.at(b)` elsewhere was within 1.5 % of a fresh capture on the
