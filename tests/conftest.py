@@ -1,7 +1,4 @@
-"""Shared fixtures of the fxmem test suite.
-
-pytest.ini is owned by someone else: markers are registered here.
-"""
+"""Shared fixtures of the fxmem test suite (markers are declared in pyproject.toml too)."""
 
 from __future__ import annotations
 
