@@ -8,7 +8,6 @@ the allocation deltas during the step.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from estimator import step
 from estimator.categories import Mode
+from validators.steady import warm_up
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,7 @@ def measure_cpu(
 
     The step is ``estimator.step.run``: the same code the estimator runs on fake tensors.
     """
-    mode = Mode(mode)
-    opt = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None)
-    loss_fn = loss_fn or step.default_loss
-    warmup = step.run(model, sample, mode, opt, loss_fn)
-    del warmup
-    gc.collect()
+    mode, opt, loss_fn = warm_up(model, sample, mode, optimizer, loss_fn)
     baseline = baseline_bytes(model, opt, sample)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = step.run(model, sample, mode, opt, loss_fn)

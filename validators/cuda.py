@@ -9,7 +9,6 @@ device's used memory (NVML through ``torch.cuda.device_memory_used`` where avail
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 from estimator import step
 from estimator.categories import Mode
+from validators.steady import warm_up
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,10 @@ def measure_cuda(
     """Move ``model`` and ``sample`` to ``device`` and measure one steady-state step."""
     if not torch.cuda.is_available():
         raise RuntimeError("measure_cuda needs a CUDA device; none is available")
-    mode = Mode(mode)
     device = torch.device(device)
     model = model.to(device)
     sample = tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
-    opt = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None)
-    loss_fn = loss_fn or step.default_loss
-    warmup = step.run(model, sample, mode, opt, loss_fn)
-    del warmup
-    gc.collect()
+    mode, opt, loss_fn = warm_up(model, sample, mode, optimizer, loss_fn)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
