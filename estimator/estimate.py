@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from estimator import step
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
@@ -156,18 +155,15 @@ def _annotate(graph, timeline: Timeline) -> None:
 
 
 def _sample_batch(sample: Any) -> int:
-    if isinstance(sample, torch.Tensor):
-        tensors = [sample]
-    elif isinstance(sample, (Mapping, Sequence)) and not isinstance(sample, (str, bytes)):
-        tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
-    else:
+    if not isinstance(sample, (torch.Tensor, Mapping, Sequence)) or isinstance(sample, (str, bytes)):
         raise InputError(
             f"sample must be a tensor, a tuple/list or a dict of tensors, got {type(sample).__name__}"
         )
-    if not tensors:
+    named = list(_named_tensors(sample))
+    if not named:
         raise InputError("the sample holds no tensor: give at least one tensor whose dim 0 is the batch")
     sizes = {}
-    for path, t in _named_tensors(sample):
+    for path, t in named:
         if t.dim() == 0:
             raise InputError(f"sample tensor {path or 'sample'} is a scalar: every tensor needs dim 0 = batch")
         sizes.setdefault(t.shape[0], path or "sample")

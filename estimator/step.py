@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from estimator.categories import Mode, Phase
+from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -179,8 +179,6 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, sam
 
     Plain tensor attributes of modules (not registered as buffers) count as buffers.
     """
-    from estimator.categories import Category
-
     params = {name: p for name, p in model.named_parameters()}
     buffers = {name: t for name, t in model.named_buffers()}
     seen = {id(t) for t in [*params.values(), *buffers.values()]}

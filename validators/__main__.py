@@ -21,13 +21,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows = []
-    for name in args.models or zoo.models_zoo.names():
-        for mode in args.modes:
-            for batch in args.batches:
-                row = zoo.compare(name, "debug", mode, batch)
-                print(f"{row.model:18s} {row.mode:9s} b={row.batch:<3d} predicted {row.predicted:>12,} "
-                      f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
-                rows.append(row)
+    for row in zoo.run(args.models, "debug", args.modes, args.batches):
+        print(f"{row.model:18s} {row.mode:9s} b={row.batch:<3d} predicted {row.predicted:>12,} "
+              f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
+        rows.append(row)
     command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
     args.markdown.write_text(zoo.to_markdown(rows, command))
     args.json.write_text(json.dumps(zoo.to_json(rows), indent=1) + "\n")

@@ -43,8 +43,12 @@ def compare(name: str, size: str, mode: str, batch: int) -> Row:
     return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds)
 
 
-def run(names=None, size: str = "debug", modes=MODES, batches=BATCHES) -> list[Row]:
-    return [compare(n, size, m, b) for n in (names or models_zoo.names()) for m in modes for b in batches]
+def run(names=None, size: str = "debug", modes=MODES, batches=BATCHES):
+    """``compare`` over models × modes × batches, one Row at a time."""
+    for name in names or models_zoo.names():
+        for mode in modes:
+            for batch in batches:
+                yield compare(name, size, mode, batch)
 
 
 def summary(rows: list[Row]) -> dict[str, float]:

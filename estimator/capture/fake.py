@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 from torch.utils._pytree import tree_map_only
 
+from estimator import step
+from estimator.categories import Category
 from estimator.errors import CaptureError
 
 CPU = torch.device("cpu")
@@ -39,10 +41,9 @@ def _fake(t: torch.Tensor, mode: FakeTensorMode, symbolic_context=None) -> torch
 def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """A deep copy of ``model`` whose tensors are fake CPU tensors (shared tensors stay shared)."""
     memo: dict[int, Any] = {}
-    for module in model.modules():
-        for name, value in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
-            if not isinstance(value, torch.Tensor) or id(value) in memo:
-                continue
+    state = step.state_tensors(model, None, ())
+    for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
+        if id(value) not in memo:
             fake = _fake(value.detach(), mode)
             if isinstance(value, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=value.requires_grad)
