@@ -138,12 +138,13 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
     return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages)
 
 
-def allocation_events(timeline: Timeline, b: int):
+def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[object, int]] = ()):
     """The step's allocations and frees in program order at batch size ``b``, as
     ``("alloc", key, nbytes)`` / ``("free", key, 0)``: the state alive before the step first,
-    then for each op its outputs, its kernel scratch (the largest candidate, allocated and
-    freed inside the op), and the storages dropped after it.  Input for an allocator model
-    (``estimator.target.cuda_allocator.replay``).
+    then ``after_state`` (``(key, nbytes)`` buffers held across steps, e.g. library
+    workspaces), then for each op its outputs, its kernel scratch (the largest candidate,
+    allocated and freed inside the op), and the storages dropped after it.  Input for an
+    allocator model (``estimator.target.cuda_allocator.replay``).
     """
     allocs: dict[int, list[int]] = {}
     frees: dict[int, list[int]] = {}
@@ -154,6 +155,8 @@ def allocation_events(timeline: Timeline, b: int):
     sizes = [s[0](b) for s in timeline.storages]
     for key in allocs.get(-1, []):
         yield "alloc", key, sizes[key]
+    for key, nbytes in after_state:
+        yield "alloc", key, nbytes
     for i, op in enumerate(timeline.ops):
         for key in allocs.get(i, []):
             yield "alloc", key, sizes[key]

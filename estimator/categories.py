@@ -28,3 +28,11 @@ class Phase(str, enum.Enum):
 class Mode(str, enum.Enum):
     TRAIN = "train"
     INFERENCE = "inference"
+
+
+class Target(str, enum.Enum):
+    """The device whose memory is predicted.  The capture always runs on fake CPU tensors; the
+    target decides which per-op rules apply (``estimator.corrections``)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"

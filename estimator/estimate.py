@@ -16,16 +16,12 @@ from estimator.categories import Category, Mode, Phase
 from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
 from estimator.report.result import CapturePath, ModuleRow, Piece, Report
 from estimator.symbolic import ZERO, NotPolynomial, Poly, nondominated
+from estimator.target import cuda
+from estimator.target.spec import target_spec
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda")
-CUDA_NOT_MODELLED = (
-    "device='cuda' is not modelled yet: this is the CPU execution of the step. Not included: "
-    "the CUDA caching allocator's rounding and segments (max_memory_reserved), the cuBLAS "
-    "workspace, what CUDA kernels save (SDPA backends, cuDNN), the optimizer's foreach "
-    "implementation on CUDA, and the CUDA context."
-)
 
 
 def report(
@@ -36,6 +32,8 @@ def report(
     optimizer: str | step.OptimizerFactory | None = "adamw",
     loss_fn: step.LossFn | None = None,
     device: str = "cpu",
+    gpu: str | int | None = None,
+    alloc_conf: str | None = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -54,7 +52,15 @@ def report(
         loss_fn: ``loss_fn(output, sample) -> scalar``; default ``output.loss`` if present, else
             the mean of the first floating-point output.
         device: the target whose memory is predicted: ``"cpu"`` (exact against PyTorch's CPU
-            allocator) or ``"cuda"`` (CPU execution for now; the report says what is missing).
+            allocator) or ``"cuda"``: the step as CUDA runs it (attention backends, fused
+            kernels, foreach optimizers), replayed through a model of the caching allocator;
+            ``peak_bytes`` is then the predicted ``torch.cuda.max_memory_allocated()``,
+            ``reserved_bytes`` ``max_memory_reserved()``, ``device_bytes`` nvidia-smi's figure.
+        gpu: CUDA only: the GPU (``"H100"``, ``"A100 80GB"``, ``"sm_90"``, or a memory size such
+            as ``"24GiB"``): its architecture decides kernel choices and workspaces, its
+            memory is the default budget of ``fits``/``max_batch``.  Default: an H100 (noted).
+        alloc_conf: CUDA only: a ``PYTORCH_CUDA_ALLOC_CONF`` string (default: the
+            environment's); options the allocator model cannot honour raise ``InputError``.
 
     Returns:
         A frozen ``Report``.
@@ -84,11 +90,12 @@ def report(
         raise InputError(f"device must be one of {DEVICES}, got {device!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
+    target, notes = target_spec(device_, gpu, alloc_conf)
     factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
-    spec = StepSpec(mode_, factory, loss_fn or step.default_loss)
+    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target)
 
     hint = max(batch, 2)
-    graph, notes = None, []
+    graph = None
     try:
         raw = capture(model, sample, spec, hint, symbolic=True)
         timeline, path = account(raw), CapturePath.SYMBOLIC
@@ -98,12 +105,12 @@ def report(
         timeline, graph, valid_to, note = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
-    if device_ == "cuda":
-        notes.append(CUDA_NOT_MODELLED)
     _annotate(graph, timeline)
+    # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
+    fixed = Poly.const(cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
     candidates = _candidates(timeline)
     keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to)
-    pieces = tuple(_piece(timeline, *candidates[i][1]) for i in keep)
+    pieces = tuple(_piece(timeline, *candidates[i][1], fixed) for i in keep)
 
     outside = batch < valid_from or (valid_to is not None and batch > valid_to)
     at_batch = timeline
@@ -116,17 +123,21 @@ def report(
 
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
+    on_device = None
+    if target.is_cuda:
+        on_device = cuda.predict(at_batch, batch, target)
+        notes.append(cuda.not_modelled_note())
     return Report(
         model=type(model).__name__,
         mode=mode_,
         device=device_,
         optimizer=_optimizer_name(optimizer) if mode_ is Mode.TRAIN else None,
         batch=batch,
-        peak_bytes=sum(breakdown.values()),
+        peak_bytes=sum(breakdown.values()) if on_device is None else on_device.allocated,
         pieces=pieces,
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
-        peak_piece=_piece(at_batch, peak_index, peak_k),
+        peak_piece=_piece(at_batch, peak_index, peak_k, fixed),
         path=path,
         valid_from=valid_from,
         valid_to=valid_to,
@@ -136,6 +147,8 @@ def report(
         timeline=timeline,
         graph=graph,
         batch_outside_range=outside,
+        target=target,
+        cuda=on_device,
     )
 
 
@@ -235,11 +248,11 @@ def _candidates(timeline: Timeline) -> list[tuple[Poly, tuple[int, int]]]:
     return found or [(sum(timeline.baseline, ZERO), (-1, 0))]
 
 
-def _piece(timeline: Timeline, index: int, k: int) -> Piece:
+def _piece(timeline: Timeline, index: int, k: int, fixed: Poly = ZERO) -> Piece:
     if index < 0:
-        return Piece(sum(timeline.baseline, ZERO), Phase.FORWARD, "(before the step)", None, "")
+        return Piece(sum(timeline.baseline, ZERO) + fixed, Phase.FORWARD, "(before the step)", None, "")
     op = timeline.ops[index]
-    return Piece(op.peaks()[k], op.phase, op.op + (" (kernel scratch)" if k else ""), op.node, op.module)
+    return Piece(op.peaks()[k] + fixed, op.phase, op.op + (" (kernel scratch)" if k else ""), op.node, op.module)
 
 
 def _module_rows(model: nn.Module, timeline: Timeline, peak_index: int) -> tuple[ModuleRow, ...]:

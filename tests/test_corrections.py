@@ -18,7 +18,7 @@ from estimator.account import account
 from estimator.capture.trace import StepSpec, capture
 from estimator.categories import Mode
 from estimator.corrections import lookup
-from estimator.corrections import rnn as rnn_fix
+from estimator.corrections.cpu import rnn as rnn_fix
 from validators.cpu import measure_cpu
 
 aten = torch.ops.aten

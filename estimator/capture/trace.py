@@ -20,21 +20,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from estimator import step
+from estimator import corrections, step
 from estimator.capture.fake import fake_model, fake_sample
+from estimator.capture.substitute import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import CaptureError, FxmemError, SymbolicCaptureFailed
 from estimator.symbolic import B, NotPolynomial, Poly
+from estimator.target.spec import TargetSpec
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """What step to run: the mode, the optimizer factory (train) and the loss function."""
+    """What step to run: the mode, the optimizer factory (train), the loss function, and the
+    target whose kernels and defaults the capture follows."""
 
     mode: Mode
     optimizer: step.OptimizerFactory | None
     loss_fn: step.LossFn
+    target: TargetSpec = TargetSpec()
 
 
 @dataclass
@@ -56,14 +60,19 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     fmodel = fake_model(model, mode)
     fsample = fake_sample(sample, mode, batch, symbolic)
     batch_symbols = _batch_symbols(fsample)
-    tracker = Tracker({id(m): name for name, m in fmodel.named_modules()})
+    tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target.device)
+    substitutions = (
+        Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) else contextlib.nullcontext()
+    )
 
-    with _errors_named(symbolic), mode:
+    with _errors_named(symbolic), mode, substitutions:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
+        corrections.apply_optimizer_rules(spec.target, optimizer)
         _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, symbolic=False), spec, optimizer)
+        on_host = _host_state(spec, optimizer)
         for category, tensors in step.state_tensors(fmodel, optimizer, fsample).items():
-            tracker.register(tensors, category)
+            tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
         with tracker, _module_hooks(tracker):
             result = step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel))
         tracker.flush()
@@ -95,6 +104,19 @@ def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer) ->
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _host_state(spec: StepSpec, optimizer) -> set[int]:
+    """ids of the optimizer state tensors the target keeps in host memory (not counted)."""
+    if optimizer is None:
+        return set()
+    return {
+        id(value)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor) and corrections.on_host(spec.target.device, optimizer, group, key, value)
+    }
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:

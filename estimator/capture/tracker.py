@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimator.capture.graph import GraphRecorder
-from estimator.categories import Category, Phase
+from estimator.categories import Category, Phase, Target
 from estimator.symbolic import as_expr  # before corrections: its entries import it from here
 from estimator import corrections  # noqa: E402,I001
 
@@ -55,8 +55,9 @@ def _storage_id(storage: torch.UntypedStorage) -> int:
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
 
-    def __init__(self, module_names: dict[int, str]):
+    def __init__(self, module_names: dict[int, str], target: Target = Target.CPU):
         super().__init__()
+        self.target = target
         self.storages: dict[int, Storage] = {}
         self.ops: list[OpEvent] = []
         self.phase = Phase.FORWARD
@@ -132,7 +133,7 @@ class Tracker(TorchDispatchMode):
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # The autograd node of this op was created just before dispatch.
             self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
-        fix = corrections.lookup(func, args, kwargs, out)
+        fix = corrections.lookup(func, args, kwargs, out, self.target)
         if fix.outputs is not None:
             out = fix.outputs
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)

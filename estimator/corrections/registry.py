@@ -1,9 +1,21 @@
-"""Per-op corrections: memory the fake run does not see, or sees wrongly.
+"""Per-op knowledge: memory the fake run does not see, or sees wrongly, per target device.
 
-One registry, filled by ``@correction(op)``; a second registration of the same op raises.
-Each entry cites where its number comes from (a PyTorch source file and/or a measurement
-command).  A correction function receives the op's arguments and outputs (fake tensors, shapes
-possibly symbolic) and returns a ``Fix``:
+The capture runs the step on fake CPU tensors.  What the real kernels of a target do
+differently lives here, in one registry, with three kinds of entries:
+
+- ``@correction(op, targets=...)``: a ``Fix`` for one aten op's memory (below);
+- ``@substitute(fn, targets=...)``: a torch function replaced while capturing for a target,
+  where the target runs other aten ops than the CPU (``F.scaled_dot_product_attention`` picks
+  a CUDA backend, ``F.dropout`` a fused kernel with a bool mask);
+- ``@optimizer_rule(targets=...)``: what a target changes in a built optimizer (CUDA: the
+  foreach implementation by default);
+- ``@host_state(targets=...)``: optimizer state the target keeps in host memory (CUDA: the
+  ``step`` counters of non-capturable, non-fused optimizers), not counted on the device.
+
+A second registration of the same (target, op) raises.  Each entry cites where its number
+comes from (a PyTorch source file and/or a measurement command).  A correction function
+receives the op's arguments and outputs (fake tensors, shapes possibly symbolic) and returns
+a ``Fix``:
 
 - ``output_bytes[i]``: bytes the real kernel's i-th tensor output holds beyond what the meta
   kernel reports (it lives and dies with that output's storage);
@@ -20,11 +32,13 @@ comparison would add a shape guard).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from estimator.categories import Target
 
 aten = torch.ops.aten
 
@@ -38,22 +52,95 @@ class Fix:
 
 NO_FIX = Fix()
 CorrectionFn = Callable[..., Fix]
-_REGISTRY: dict[Any, CorrectionFn] = {}
+# fn(target_spec, func, args, kwargs) -> the function's result, or NotImplemented to run func.
+SubstituteFn = Callable[..., Any]
+OptimizerRule = Callable[[Any, torch.optim.Optimizer], None]
+_REGISTRY: dict[tuple[Target, Any], CorrectionFn] = {}
+_SUBSTITUTES: dict[tuple[Target, Any], SubstituteFn] = {}
+_OPTIMIZER_RULES: dict[Target, list[OptimizerRule]] = {}
+# rule(optimizer, group, key, value) -> True when that state tensor lives in host memory.
+HostRule = Callable[[torch.optim.Optimizer, dict, str, torch.Tensor], bool]
+_HOST_RULES: dict[Target, list[HostRule]] = {}
 
 
-def correction(*ops) -> Callable[[CorrectionFn], CorrectionFn]:
-    """Register ``fn(args, kwargs, out) -> Fix`` for each aten overload (or packet) in ``ops``."""
+def _targets(targets: Iterable[Target]) -> tuple[Target, ...]:
+    targets = tuple(Target(t) for t in ([targets] if isinstance(targets, (str, Target)) else targets))
+    if not targets:
+        raise ValueError("an entry needs at least one target")
+    return targets
+
+
+def correction(*ops, targets: Iterable[Target]) -> Callable[[CorrectionFn], CorrectionFn]:
+    """Register ``fn(args, kwargs, out) -> Fix`` for each aten overload (or packet) in ``ops``
+    on each of ``targets``."""
 
     def register(fn: CorrectionFn) -> CorrectionFn:
-        for op in ops:
-            overloads = [getattr(op, name) for name in op.overloads()] if hasattr(op, "overloads") else [op]
-            for overload in overloads:
-                if overload in _REGISTRY:
-                    raise ValueError(f"a correction for {overload} is already registered")
-                _REGISTRY[overload] = fn
+        for target in _targets(targets):
+            for op in ops:
+                overloads = [getattr(op, name) for name in op.overloads()] if hasattr(op, "overloads") else [op]
+                for overload in overloads:
+                    if (target, overload) in _REGISTRY:
+                        raise ValueError(f"a {target.value} correction for {overload} is already registered")
+                    _REGISTRY[target, overload] = fn
         return fn
 
     return register
+
+
+def substitute(*fns, targets: Iterable[Target]) -> Callable[[SubstituteFn], SubstituteFn]:
+    """Register ``sub(target_spec, func, args, kwargs)`` to run instead of the torch function(s)
+    ``fns`` while capturing for ``targets`` (through a ``TorchFunctionMode``)."""
+
+    def register(sub: SubstituteFn) -> SubstituteFn:
+        for target in _targets(targets):
+            for fn in fns:
+                if (target, fn) in _SUBSTITUTES:
+                    raise ValueError(f"a {target.value} substitute for {fn} is already registered")
+                _SUBSTITUTES[target, fn] = sub
+        return sub
+
+    return register
+
+
+def optimizer_rule(*, targets: Iterable[Target]) -> Callable[[OptimizerRule], OptimizerRule]:
+    """Register ``rule(target_spec, optimizer)``, applied to the optimizer once it is built."""
+
+    def register(rule: OptimizerRule) -> OptimizerRule:
+        for target in _targets(targets):
+            _OPTIMIZER_RULES.setdefault(target, []).append(rule)
+        return rule
+
+    return register
+
+
+def host_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
+    """Register ``rule(optimizer, group, key, value) -> bool``: state kept in host memory."""
+
+    def register(rule: HostRule) -> HostRule:
+        for target in _targets(targets):
+            _HOST_RULES.setdefault(target, []).append(rule)
+        return rule
+
+    return register
+
+
+def on_host(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str, value: torch.Tensor) -> bool:
+    return any(rule(optimizer, group, key, value) for rule in _HOST_RULES.get(target, ()))
+
+
+def substitution(target: Target, func) -> SubstituteFn | None:
+    return _SUBSTITUTES.get((target, func))
+
+
+def has_substitutes(target: Target) -> bool:
+    return any(t is target for t, _ in _SUBSTITUTES)
+
+
+def apply_optimizer_rules(spec, optimizer: torch.optim.Optimizer | None) -> None:
+    """Apply the optimizer rules of ``spec.device`` (a ``TargetSpec``) to ``optimizer``."""
+    if optimizer is not None:
+        for rule in _OPTIMIZER_RULES.get(spec.device, ()):
+            rule(spec, optimizer)
 
 
 def bind(func, args, kwargs) -> dict[str, Any]:
@@ -67,10 +154,11 @@ def bind(func, args, kwargs) -> dict[str, Any]:
     return bound
 
 
-def lookup(func, args, kwargs, out) -> Fix:
-    fn = _REGISTRY.get(func)
+def lookup(func, args, kwargs, out, target: Target = Target.CPU) -> Fix:
+    fn = _REGISTRY.get((target, func))
     fix = NO_FIX if fn is None else fn(args, kwargs, out)
-    wrapped = _wrapped_scalar_bytes(func, args, out)
+    # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such): no device memory.
+    wrapped = _wrapped_scalar_bytes(func, args, out) if target is Target.CPU else 0
     if wrapped:
         # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
         fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)), fix.outputs)
@@ -82,7 +170,7 @@ _WIDE = (torch.float64, torch.int64)  # the dtypes Python numbers are wrapped in
 
 
 def _wrapped_scalar_bytes(func, args, out) -> int:
-    """The one rule that is not per-op: a Python number passed where the schema says Tensor
+    """The one CPU rule that is not per-op: a Python number passed where the schema says Tensor
     (``aten.div.Tensor(t, 0.5)``) is wrapped into a 0-dim double/int64 tensor (8 B,
     ``scalar_to_tensor`` in aten/src/ATen/ScalarOps.h) and TensorIterator copies it to the
     result's dtype (``itemsize`` B unless that is double/int64).  Measured: ``x / 0.5`` on
@@ -100,6 +188,16 @@ def _wrapped_scalar_bytes(func, args, out) -> int:
     return count * (8 + (0 if out.dtype in _WIDE else out.element_size()))
 
 
-def registered() -> dict[Any, CorrectionFn]:
-    """A copy of the registry (op overload -> correction function)."""
-    return dict(_REGISTRY)
+def registered(target: Target | None = None) -> dict[Any, CorrectionFn]:
+    """A copy of the corrections: ``{(target, op overload): fn}``, or ``{op overload: fn}`` for
+    one ``target``."""
+    if target is None:
+        return dict(_REGISTRY)
+    return {op: fn for (t, op), fn in _REGISTRY.items() if t is Target(target)}
+
+
+def substitutes(target: Target | None = None) -> dict[Any, SubstituteFn]:
+    """A copy of the substitutes, keyed like ``registered``."""
+    if target is None:
+        return dict(_SUBSTITUTES)
+    return {fn: sub for (t, fn), sub in _SUBSTITUTES.items() if t is Target(target)}

@@ -17,7 +17,8 @@ def table(rep) -> str:
     lines = [
         f"fxmem: {rep.model}, {rep.mode.value}"
         + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
-        + f", device {rep.device}, batch {rep.batch}",
+        + f", device {rep.device}" + (f" ({rep.target.gpu.name})" if rep.cuda is not None else "")
+        + f", batch {rep.batch}",
         f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) in the {rep.peak_piece.phase.value} phase"
         f" at {rep.peak_piece.op}" + (f" in {rep.peak_piece.module}" if rep.peak_piece.module else ""),
         f"formula (bytes, {rep.path.value} capture, valid for {rep.valid_from} <= b <= {upper}): {rep.peak}",
@@ -28,7 +29,10 @@ def table(rep) -> str:
         for category, value in rep.breakdown.items()
         if value or rep.breakdown_formula[category].coeffs
     ]
-    rows.append(["total", format_bytes(rep.peak_bytes), f"{rep.peak_bytes:,}", str(rep.peak_piece.bytes)])
+    if rep.cuda is None:
+        rows.append(["total", format_bytes(rep.peak_bytes), f"{rep.peak_bytes:,}", str(rep.peak_piece.bytes)])
+    else:
+        rows += _cuda_rows(rep)
     lines.append(tabulate(rows, headers=["at the peak", "size", "bytes", "formula in b"], colalign=("left", "right", "right", "left")))
     module_rows = [
         [("  " * m.path.count(".") + (m.path or "(model)")), m.type, f"{m.params:,}", format_bytes(m.param_bytes),
@@ -42,6 +46,27 @@ def table(rep) -> str:
         lines += ["", "guards: " + "; ".join(rep.guards)]
     lines += [f"note: {note}" for note in rep.notes]
     return "\n".join(lines)
+
+
+def _cuda_rows(rep) -> list[list[str]]:
+    """The allocator's and libraries' rows under the tensors, with the three totals users read."""
+    from estimator.target.cuda import Overhead
+
+    over = rep.overheads
+
+    def row(label: str, value: int, formula: str = "") -> list[str]:
+        return [label, format_bytes(value), f"{value:,}", formula]
+
+    return [
+        row(Overhead.CUBLAS_WORKSPACE.value, over[Overhead.CUBLAS_WORKSPACE],
+            f"{rep.cuda.workspaces} × {rep.cuda.workspace // max(rep.cuda.workspaces, 1):,}"),
+        row(Overhead.ALLOCATOR_ROUNDING.value, over[Overhead.ALLOCATOR_ROUNDING], "512 B blocks"),
+        row("= max_memory_allocated", rep.peak_bytes, f"≈ {rep.peak_piece.bytes}"),
+        row(Overhead.ALLOCATOR_CACHE.value, over[Overhead.ALLOCATOR_CACHE], f"{rep.cuda.segments} segments at the end"),
+        row("= max_memory_reserved", rep.reserved_bytes),
+        row(Overhead.CUDA_CONTEXT.value + " (estimate)", over[Overhead.CUDA_CONTEXT], "outside the allocator"),
+        row("= device memory (nvidia-smi)", rep.device_bytes),
+    ]
 
 
 def to_dict(rep) -> dict[str, Any]:
@@ -71,4 +96,13 @@ def to_dict(rep) -> dict[str, Any]:
             for m in rep.modules
         ],
         "notes": list(rep.notes),
+        "cuda": None if rep.cuda is None else {
+            "gpu": rep.target.gpu.name,
+            "max_memory_allocated": rep.peak_bytes,
+            "max_memory_reserved": rep.reserved_bytes,
+            "device_bytes": rep.device_bytes,
+            "overheads": {k.value: v for k, v in rep.overheads.items()},
+            "cublas_workspaces": rep.cuda.workspaces,
+            "segments": rep.cuda.segments,
+        },
     }

@@ -14,6 +14,8 @@ from estimator.account import Timeline
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
 from estimator.symbolic import Poly, max_fitting
+from estimator.target.cuda import CudaMemory, Overhead
+from estimator.target.spec import TargetSpec
 from estimator.units import parse_bytes
 
 
@@ -54,7 +56,13 @@ class Report:
     """Peak memory of one step, as a function of the batch size ``b``.
 
     ``peak_bytes`` is the peak at ``batch``; ``peak`` the formula; ``at(b)`` evaluates it;
-    ``max_batch(budget)`` inverts it exactly.
+    ``max_batch(budget)`` inverts it.
+
+    CUDA target: ``peak_bytes`` is the predicted ``torch.cuda.max_memory_allocated()`` (tensors
+    in 512-byte blocks, plus the cuBLAS workspaces), ``reserved_bytes`` the predicted
+    ``max_memory_reserved()`` and ``device_bytes`` nvidia-smi's figure (reserved + the CUDA
+    context); ``peak`` is the formula of the bytes without the allocator's rounding.  A budget
+    is then the device's memory, compared with ``device_bytes``.
     """
 
     model: str
@@ -76,6 +84,31 @@ class Report:
     timeline: Timeline = field(repr=False, compare=False)
     graph: fx.Graph | None = field(default=None, repr=False, compare=False)  # the captured aten ops
     batch_outside_range: bool = False  # peak_bytes then comes from a capture at ``batch`` itself
+    target: TargetSpec = field(default=TargetSpec(), repr=False, compare=False)
+    cuda: CudaMemory | None = None  # CUDA target: the allocator's view at ``batch``
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """CUDA: predicted ``torch.cuda.max_memory_reserved()`` at ``batch``; None on CPU."""
+        return None if self.cuda is None else self.cuda.reserved
+
+    @property
+    def device_bytes(self) -> int | None:
+        """CUDA: predicted device memory used (nvidia-smi) at ``batch``; None on CPU."""
+        return None if self.cuda is None else self.cuda.device
+
+    @property
+    def overheads(self) -> dict[Overhead, int]:
+        """CUDA: memory besides the step's tensors at ``batch`` (empty on CPU)."""
+        if self.cuda is None:
+            return {}
+        tensors = sum(self.breakdown.values())
+        return {
+            Overhead.CUBLAS_WORKSPACE: self.cuda.workspace,
+            Overhead.ALLOCATOR_ROUNDING: self.cuda.allocated - tensors - self.cuda.workspace,
+            Overhead.ALLOCATOR_CACHE: self.cuda.reserved - self.cuda.allocated,
+            Overhead.CUDA_CONTEXT: self.cuda.context,
+        }
 
     @property
     def peak(self) -> sympy.Expr:
@@ -95,26 +128,66 @@ class Report:
             )
 
     def at(self, b: int) -> int:
-        """Predicted peak bytes at batch size ``b``."""
+        """Predicted peak bytes at batch size ``b`` (CUDA: ``max_memory_allocated``)."""
         self._check_range(b)
+        if self.cuda is not None:
+            return self.on_device(b).allocated
         return max(p.bytes(b) for p in self.pieces)
 
-    def max_batch(self, budget: int | str) -> int:
-        """The largest batch size whose peak fits in ``budget`` (bytes or ``"80GiB"``); 0 if none.
+    def on_device(self, b: int | None = None) -> CudaMemory:
+        """CUDA: the allocator's view at ``b`` (default ``batch``): allocated, reserved, device."""
+        if self.cuda is None:
+            raise InputError("on_device() is for device='cuda' reports")
+        if b is None or b == self.batch:
+            return self.cuda
+        self._check_range(b)
+        from estimator.target.cuda import predict
 
-        Exact: ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
+        return predict(self.timeline, b, self.target)
+
+    def _budget(self, budget: int | str | None) -> int:
+        if budget is not None:
+            return parse_bytes(budget)
+        gpu = self.target.gpu
+        if self.cuda is None or gpu is None or gpu.total_memory is None:
+            raise InputError("give a budget (bytes or e.g. '80GiB'); only a CUDA report for a GPU with a "
+                             "known memory size has a default")
+        return gpu.total_memory
+
+    def max_batch(self, budget: int | str | None = None) -> int:
+        """The largest batch size whose step fits in ``budget`` (bytes or ``"80GiB"``); 0 if none.
+
+        CPU: exact, ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
+        CUDA: the budget is the device's memory (default: the GPU's); the inverted formula
+        bounds the answer from above and the allocator replay finds the largest ``b`` whose
+        ``device_bytes`` fit (bisection: reserved memory grows with ``b``).
         """
-        limit = parse_bytes(budget)
+        limit = self._budget(budget)
+        tensor_limit = limit if self.cuda is None else limit - self.cuda.context
         try:
-            best = max_fitting([p.bytes for p in self.pieces], limit, self.valid_from, self.valid_to)
+            best = max_fitting([p.bytes for p in self.pieces], tensor_limit, self.valid_from, self.valid_to)
         except ValueError as exc:
             raise InputError(f"cannot invert the peak formula: {exc}") from exc
-        return best if best >= self.valid_from else 0
+        if best < self.valid_from:
+            return 0
+        if self.cuda is None:
+            return best
+        lo, hi = self.valid_from - 1, best  # fits(lo) holds (or lo is below the range), answer <= hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.on_device(mid).device <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if lo >= self.valid_from else 0
 
-    def fits(self, budget: int | str, b: int | None = None) -> bool:
-        """Whether the step at ``b`` (default: ``batch``) fits in ``budget``."""
-        peak = self.peak_bytes if b is None else self.at(b)
-        return peak <= parse_bytes(budget)
+    def fits(self, budget: int | str | None = None, b: int | None = None) -> bool:
+        """Whether the step at ``b`` (default: ``batch``) fits in ``budget`` (CUDA: the device's
+        memory, default the GPU's, compared with ``device_bytes``)."""
+        limit = self._budget(budget)
+        if self.cuda is not None:
+            return self.on_device(b).device <= limit
+        return (self.peak_bytes if b is None else self.at(b)) <= limit
 
     def to_dict(self) -> dict[str, Any]:
         from estimator.report.render import to_dict

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from estimator.capture.tracker import as_expr
+from estimator.categories import Target
 from estimator.corrections.registry import Fix, correction
 from estimator.errors import SymbolicCaptureFailed
 
@@ -118,7 +119,7 @@ def _dims(t: torch.Tensor, what: str) -> tuple[int, ...]:
     return dims
 
 
-@correction(aten.mkldnn_rnn_layer)
+@correction(aten.mkldnn_rnn_layer, targets=Target.CPU)
 def mkldnn_rnn_layer(args, kwargs, out) -> Fix:
     """aten.mkldnn_rnn_layer (RNN.cpp ``mkldnn_rnn_layer``): the meta kernel returns an empty
     workspace; the real one holds ``workspace_bytes`` when GradMode is on (the kernel checks
@@ -139,7 +140,7 @@ def mkldnn_rnn_layer(args, kwargs, out) -> Fix:
     return Fix(output_bytes={3: ws} if ws else {}, scratch=(scratch,))
 
 
-@correction(aten.mkldnn_rnn_layer_backward)
+@correction(aten.mkldnn_rnn_layer_backward, targets=Target.CPU)
 def mkldnn_rnn_layer_backward(args, kwargs, out) -> Fix:
     """aten.mkldnn_rnn_layer_backward (RNN.cpp ``mkldnn_rnn_layer_backward``).
 

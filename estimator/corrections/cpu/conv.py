@@ -27,6 +27,7 @@ import sympy
 import torch
 
 from estimator.capture.tracker import as_expr
+from estimator.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction
 from estimator.errors import SymbolicCaptureFailed
 
@@ -67,7 +68,7 @@ def _shape(t):
     return [as_expr(s) for s in t.shape]
 
 
-@correction(aten.convolution)
+@correction(aten.convolution, targets=Target.CPU)
 def convolution(args, kwargs, out) -> Fix:
     """aten.convolution forward (Convolution.cpp -> mkldnn/Conv.cpp or ConvolutionMM2d.cpp).
 
@@ -157,7 +158,7 @@ def tree_out(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-@correction(aten.convolution_backward)
+@correction(aten.convolution_backward, targets=Target.CPU)
 def convolution_backward(args, kwargs, out) -> Fix:
     """aten.convolution_backward on the oneDNN path (mkldnn/Conv.cpp
     ``mkldnn_convolution_backward``: backward_input, then backward_weights).

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from estimator.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
 
-@correction(aten.native_batch_norm.default)
+@correction(aten.native_batch_norm.default, targets=Target.CPU)
 def native_batch_norm(args, kwargs, out) -> Fix:
     """``batch_norm_cpu`` (aten/src/ATen/native/Normalization.cpp) computes per-channel mean and
     inverse std into two temporaries of C floats (``batch_norm_cpu_update_stats_template`` in
