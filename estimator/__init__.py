@@ -4,17 +4,74 @@
 >>> rep = estimator.report(torch.nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
 >>> rep.peak_bytes > 0
 True
+
+Importing ``estimator`` does not import torch: the names that need it load on first use
+(PEP 562), so ``fxmem --help`` and ``import estimator.errors`` stay fast.
 """
 
-from estimator.categories import Category, Mode, Phase
+import importlib
+
+from estimator.categories import Category, Mode, Phase, Target
 from estimator.errors import CaptureError, FxmemError, InputError
-from estimator.estimate import report
-from estimator.report.result import CapturePath, ModuleRow, Piece, Report
-from estimator.symbolic import B, Poly
 from estimator.units import GiB, KiB, MiB, format_bytes, parse_bytes
 
+# The subpackage estimator.report (torch-free) is loaded now and its name dropped: importing it
+# later would bind it over the function ``estimator.report``, which __getattr__ returns.
+importlib.import_module("estimator.report")
+globals().pop("report", None)
+
+_LAZY = {
+    "report": "estimator.estimate",
+    "MemoryMonitor": "estimator.monitor",
+    "MemoryWarning": "estimator.monitor",
+    "CapturePath": "estimator.report.result",
+    "ModuleRow": "estimator.report.result",
+    "Piece": "estimator.report.result",
+    "Report": "estimator.report.result",
+    "B": "estimator.symbolic",
+    "S": "estimator.symbolic",
+    "Poly": "estimator.symbolic",
+    "CudaMemory": "estimator.target.cuda",
+    "Overhead": "estimator.target.cuda",
+}
+
 __all__ = [
-    "B", "Category", "CaptureError", "CapturePath", "FxmemError", "GiB", "InputError", "KiB", "MiB",
-    "Mode", "ModuleRow", "Phase", "Piece", "Poly", "Report", "format_bytes", "parse_bytes", "report",
+    "B",
+    "CaptureError",
+    "CapturePath",
+    "Category",
+    "CudaMemory",
+    "FxmemError",
+    "GiB",
+    "InputError",
+    "KiB",
+    "MemoryMonitor",
+    "MemoryWarning",
+    "MiB",
+    "Mode",
+    "ModuleRow",
+    "Overhead",
+    "Phase",
+    "Piece",
+    "Poly",
+    "Report",
+    "S",
+    "Target",
+    "format_bytes",
+    "parse_bytes",
+    "report",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'estimator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

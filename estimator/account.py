@@ -66,6 +66,27 @@ class Timeline:
         """The storages alive while op ``index`` runs."""
         return [s for s in self.storages if s[2] <= index and (s[3] is None or s[3] >= index)]
 
+    @property
+    def has_s(self) -> bool:
+        """Whether the bytes depend on the sequence length ``s`` (a capture with ``s`` symbolic)."""
+        return any(p.has_s for op in self.ops for p in op.peaks()) or any(p.has_s for p in self.baseline)
+
+    def at_s(self, s: int) -> Timeline:
+        """The same timeline with ``s`` fixed: every byte count a polynomial in ``b`` only."""
+        if not self.has_s:
+            return self
+
+        def vec(v: Vector) -> Vector:
+            return tuple(p.at_s(s) for p in v)
+
+        ops = tuple(
+            OpMemory(op.index, op.op, op.node, op.phase, op.module, vec(op.live), vec(op.allocated),
+                     vec(op.scratch), op.total.at_s(s))
+            for op in self.ops
+        )
+        storages = tuple((nbytes.at_s(s), *rest) for nbytes, *rest in self.storages)
+        return Timeline(vec(self.baseline), ops, storages)
+
 
 def _sum(vector: Vector) -> Poly:
     total = ZERO

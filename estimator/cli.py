@@ -1,116 +1,324 @@
 """The ``fxmem`` command line (also ``python -m estimator``).
 
     fxmem report gpt --size gpt2-small --batch 8
-    fxmem report resnet --size resnet50 --batch 64 --budget 80GiB --json
+    fxmem formula resnet --format latex
+    fxmem fit llama --size 7b --budget 80GiB --json
 
-Exit codes: 0 success, 2 bad arguments or input (argparse's convention), 3 the model could
-not be captured.
+Exit codes: 0 success, 2 bad arguments or input, 3 the model could not be captured,
+130 interrupted (Ctrl-C).
+
+Torch is imported inside the commands only: ``fxmem --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
+import functools
 import json
 import sys
+import time
+from dataclasses import dataclass
 
-EXAMPLES = """examples:
-  fxmem report gpt --size gpt2-small --batch 8
-  fxmem report resnet --size resnet50 --batch 64 --mode inference
-  fxmem report llama --size 7b --batch 1 --device-init meta --budget 80GiB
-  fxmem report mlp --json
+import click
+
+EXIT_OK, EXIT_INPUT, EXIT_CAPTURE, EXIT_INTERRUPTED = 0, 2, 3, 130
+MODES = ("train", "inference")
+DEVICES = ("cpu", "cuda")
+FORMATS = ("sympy", "latex", "markdown", "json")
+
+MODEL_HELP = """MODEL is one of:
+
+\b
+  a zoo name        mlp, resnet, unet, vit, gpt, bert, rnn, lora, tied_autoencoder, llama
+                    (--size picks the size; `fxmem models` lists them)
+  FILE.py:FUNC      FUNC() returns (model, sample) or (model, sample, loss_fn)
+  MODULE:FUNC       the same, from an importable module (package.module:make)
+  SOURCE:NAME       transformers:gpt2, timm:resnet50, torchvision:resnet18
 """
-EXIT_INPUT, EXIT_CAPTURE = 2, 3
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fxmem",
-        description="Static memory estimates of PyTorch training steps, as formulas in the batch size.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    rep = commands.add_parser(
-        "report", help="peak memory of one step of a zoo model", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    rep.add_argument("model", help="a models_zoo name (mlp, resnet, gpt, llama, …)")
-    rep.add_argument("--size", default="debug", help="the zoo size (default: debug)")
-    rep.add_argument("--batch", type=int, default=8, help="batch size to evaluate at (default: 8)")
-    rep.add_argument("--mode", choices=("train", "inference"), default="train")
-    rep.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw, … or 'none'")
-    rep.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="parameter dtype")
-    rep.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="target device to predict")
-    rep.add_argument(
-        "--device-init", choices=("meta", "cpu"), default="meta",
-        help="where the model is built (default meta: no memory of model size is allocated)",
-    )
-    rep.add_argument("--budget", help="also print the largest batch that fits, e.g. 80GiB")
-    rep.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return parser
+@dataclass
+class Options:
+    """What every estimating command takes (after the checks that need no capture)."""
+
+    model: str
+    size: str | None
+    batch: int | None
+    mode: str
+    optimizer: str | None
+    dtype: str | None
+    device: str
+    gpu: str | None
+    device_init: str
+    quiet: bool
 
 
-_DTYPES = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
+def model_options(func):
+    """The options shared by ``report``, ``formula`` and ``fit``."""
+    options = [
+        click.argument("model", metavar="MODEL"),
+        click.option("--size", "-s", metavar="SIZE", help="zoo model size (default: debug, a tiny test size)."),
+        click.option(
+            "--batch", "-b", type=click.IntRange(min=1), metavar="N",
+            help="batch size to evaluate at (default: 8 for zoo models, else the sample's).",
+        ),
+        click.option("--mode", "-m", type=click.Choice(MODES), default="train", show_default=True, help="step to predict."),
+        click.option(
+            "--optimizer", "-o", metavar="NAME",
+            help="sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, … or 'none' (default: adamw; train only).",
+        ),
+        click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16")), help="parameter dtype (default: as built)."),
+        click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="target device."),
+        click.option("--gpu", metavar="GPU", help="CUDA GPU to predict for: H100, A100-40GB, sm_90, 80GiB (--device cuda)."),
+        click.option(
+            "--device-init", type=click.Choice(("meta", "cpu")), default="meta", show_default=True,
+            help="where zoo and integration models are built (meta allocates nothing).",
+        ),
+        click.option("--quiet", "-q", is_flag=True, help="no progress lines on stderr."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
 
 
-def _report(args) -> int:
-    import torch
+def _options(kwargs) -> Options:
+    opts = Options(**{k: kwargs.pop(k) for k in list(Options.__dataclass_fields__)})
+    from estimator.errors import InputError
 
+    if opts.gpu is not None and opts.device != "cuda":
+        raise InputError(f"--gpu {opts.gpu} needs --device cuda (it describes the CUDA target), got --device {opts.device}")
+    if opts.optimizer is not None and opts.mode != "train":
+        raise InputError(f"--optimizer applies to --mode train only, got --mode {opts.mode}")
+    return opts
+
+
+def _status(opts: Options, message: str) -> None:
+    if not opts.quiet:
+        click.echo(f"fxmem: {message}", err=True)
+
+
+def _estimate(opts: Options):
+    """Build the model and capture it: the Report, with progress lines on stderr."""
+    start = time.perf_counter()
+    _quiet_torch_import()
     import estimator
+    from estimator import models
+
+    built = models.resolve(opts.model, size=opts.size, batch=opts.batch, dtype=opts.dtype, device_init=opts.device_init)
+    batch = opts.batch or built.batch
+    _status(opts, f"capturing {built.label}, {opts.mode}" + (f", b={batch}" if batch else "") + " ...")
+    optimizer = "adamw" if opts.optimizer is None else opts.optimizer
+    kwargs = {"gpu": opts.gpu} if opts.gpu is not None else {}  # only when asked: report(gpu=) is new
+    rep = estimator.report(
+        built.model,
+        built.sample,
+        batch=opts.batch,
+        mode=opts.mode,
+        optimizer=None if optimizer.lower() == "none" else optimizer,
+        loss_fn=built.loss_fn,
+        device=opts.device,
+        **kwargs,
+    )
+    _status(opts, f"done in {time.perf_counter() - start:.1f} s")
+    return rep
+
+
+def _quiet_torch_import() -> None:
+    """Torch warns on import when NumPy is missing, which the estimator does not need."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+
+def _budget(text: str | None) -> int | None:
+    """Bytes of ``--budget``, parsed before any capture (a typo fails in no time)."""
+    if text is None:
+        return None
+    from estimator.units import parse_bytes
+
+    return parse_bytes(text)
+
+
+def handle_errors(func):
+    """InputError/CaptureError → one line on stderr and exit 2/3; Ctrl-C → exit 130."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from estimator.errors import CaptureError, InputError
+
+        try:
+            return func(*args, **kwargs)
+        except InputError as exc:
+            _fail(f"error: {exc}", EXIT_INPUT)
+        except CaptureError as exc:
+            _fail(f"error: cannot capture the model: {exc}", EXIT_CAPTURE)
+
+    return wrapper
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"fxmem: {message}", err=True)
+    raise click.exceptions.Exit(code)
+
+
+class Group(click.Group):
+    def list_commands(self, ctx):
+        return list(self.commands)  # in definition order, not sorted
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="fxmem", prog_name="fxmem", message="%(prog)s %(version)s")
+def cli():
+    """Static memory estimates of PyTorch training and inference steps, as formulas in the batch size.
+
+    Nothing runs on real data: the step runs once on fake tensors with a symbolic batch size b,
+    so the peak is an exact formula in b.
+
+    \b
+    Examples:
+      fxmem report gpt --size gpt2-small --batch 8
+      fxmem report resnet --size resnet50 --batch 32 --mode inference --json
+      fxmem formula gpt --format latex
+      fxmem fit llama --size 7b --budget 80GiB --dtype bf16
+      fxmem report my_model.py:make --batch 16
+      fxmem models
+
+    Exit codes: 0 ok, 2 bad input or usage, 3 the model could not be captured, 130 interrupted.
+    """
+
+
+@cli.command(epilog=MODEL_HELP, short_help="peak memory of one step: the table (or --json).")
+@model_options
+@click.option("--budget", metavar="BYTES", help="also print the largest batch that fits, e.g. 80GiB, 40GB.")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (to_json: exact integer coefficients).")
+@handle_errors
+def report(budget, as_json, **kwargs):
+    """Peak memory of one step of MODEL: the table, by category and by module.
+
+    \b
+    Examples:
+      fxmem report gpt --size gpt2-small --batch 8
+      fxmem report resnet --size resnet50 --batch 64 --mode inference
+      fxmem report llama --size 7b --batch 1 --dtype bf16 --budget 80GiB
+      fxmem report gpt --batch 8 --device cuda --gpu H100
+      fxmem report path/to/model.py:make --json | jq .peak_bytes
+    """
+    opts = _options(kwargs)
+    limit = _budget(budget)
+    rep = _estimate(opts)
+    fit = rep.max_batch(limit) if limit is not None else None
+    if as_json:
+        data = json.loads(rep.to_json())
+        if limit is not None:
+            data["budget"] = {"bytes": limit, "max_batch": fit}
+        click.echo(json.dumps(data, indent=2))
+    else:
+        click.echo(str(rep))
+        if limit is not None:
+            click.echo(f"\nlargest batch that fits in {budget}: {fit}{_range_note(rep, fit)}")
+
+
+@cli.command(epilog=MODEL_HELP, short_help="the peak as a formula in b: sympy, latex, markdown, json.")
+@model_options
+@click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="sympy", show_default=True,
+              help="sympy: the peak expression; latex: an align* block; markdown: a table; json: coefficients.")
+@click.option("--json", "as_json", is_flag=True, help="the same as --format json.")
+@handle_errors
+def formula(fmt, as_json, **kwargs):
+    """The peak memory of MODEL as a formula in the batch size b (bytes).
+
+    \b
+    Examples:
+      fxmem formula gpt --size gpt2-small
+      fxmem formula resnet --format latex > peak.tex
+      fxmem formula vit --format markdown --mode inference
+      fxmem formula mlp --format json
+    """
+    opts = _options(kwargs)
+    rep = _estimate(opts)
+    fmt = "json" if as_json else fmt
+    render = {"sympy": lambda: str(rep.peak), "latex": rep.to_latex, "markdown": rep.to_markdown, "json": rep.to_json}
+    click.echo(render[fmt]().rstrip("\n"))
+
+
+@cli.command(epilog=MODEL_HELP, short_help="the largest batch that fits in --budget.")
+@model_options
+@click.option("--budget", metavar="BYTES", required=True, help="the memory to fit in, e.g. 80GiB, 40GB, 512MiB.")
+@click.option("--json", "as_json", is_flag=True, help="print JSON.")
+@handle_errors
+def fit(budget, as_json, **kwargs):
+    """The largest batch size whose step of MODEL fits in --budget (exact, no search).
+
+    --batch only sets the batch size the model is captured at.
+
+    \b
+    Examples:
+      fxmem fit gpt --size gpt2-small --budget 80GiB
+      fxmem fit llama --size 7b --dtype bf16 --budget 80GiB --json
+      fxmem fit resnet --size resnet50 --mode inference --budget 16GB
+    """
+    opts = _options(kwargs)
+    limit = _budget(budget)
+    rep = _estimate(opts)
+    best = rep.max_batch(limit)
+    peak = rep.at(best) if best else None
+    from estimator.units import format_bytes
+
+    if as_json:
+        click.echo(json.dumps({
+            "model": rep.model, "mode": rep.mode.value, "device": rep.device, "optimizer": rep.optimizer,
+            "budget_bytes": limit, "max_batch": best, "peak_bytes": peak, "peak": str(rep.peak),
+            "valid_from": rep.valid_from, "valid_to": rep.valid_to, "notes": list(rep.notes),
+        }, indent=2))
+    elif best:
+        click.echo(f"largest batch that fits in {budget}: {best} (peak {format_bytes(peak)} = {peak:,} B)"
+                   f"{_range_note(rep, best)}")
+    else:
+        smallest = rep.at(rep.valid_from)
+        click.echo(f"nothing fits in {budget}: the peak at b = {rep.valid_from} is already "
+                   f"{format_bytes(smallest)} ({smallest:,} B)")
+
+
+def _range_note(rep, best: int | None) -> str:
+    if best and rep.valid_to is not None and best >= rep.valid_to:
+        return f" (capped: the formula holds up to b = {rep.valid_to} only; see the guards in `fxmem report`)"
+    return ""
+
+
+@cli.command(short_help="the zoo models and their sizes.")
+@click.option("--json", "as_json", is_flag=True, help="print JSON.")
+def models(as_json):
+    """The zoo models and their sizes (built from code, no downloads).
+
+    \b
+    Examples:
+      fxmem models
+      fxmem models --json
+    """
+    _quiet_torch_import()
     import models_zoo
 
-    if args.model not in models_zoo.names():
-        close = difflib.get_close_matches(args.model, models_zoo.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise estimator.InputError(f"unknown model {args.model!r}{hint}; known: {', '.join(models_zoo.names())}")
-    dtype = getattr(torch, _DTYPES[args.dtype]) if _DTYPES[args.dtype] else None
-    try:
-        model, make_sample, loss_fn = models_zoo.get(args.model, args.size, device=args.device_init, dtype=dtype)
-    except ValueError as exc:
-        raise estimator.InputError(str(exc)) from None
-    sample = make_sample(args.batch) if isinstance(args.batch, int) and args.batch > 0 else make_sample(2)
-    if dtype is not None:
-        sample = _cast_floats(sample, dtype)
-    optimizer = None if args.optimizer.lower() == "none" else args.optimizer
-    rep = estimator.report(
-        model, sample, batch=args.batch, mode=args.mode, optimizer=optimizer, loss_fn=loss_fn, device=args.device
-    )
-    fit = rep.max_batch(args.budget) if args.budget else None
-    if args.json:
-        data = rep.to_dict()
-        if args.budget:
-            data["budget"] = {"bytes": estimator.parse_bytes(args.budget), "max_batch": fit}
-        print(json.dumps(data, indent=2))
+    table = {name: models_zoo.sizes(name) for name in models_zoo.names()}
+    if as_json:
+        click.echo(json.dumps(table, indent=2))
     else:
-        print(rep)
-        if args.budget:
-            print(f"\nlargest batch that fits in {args.budget}: {fit}")
-    return 0
-
-
-def _cast_floats(sample, dtype):
-    import torch
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, sample)
+        width = max(map(len, table))
+        for name, sizes in table.items():
+            click.echo(f"{name:<{width}}  {', '.join(sizes)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from estimator.errors import CaptureError, InputError
-
+    """The console-script entry: returns the exit code."""
     try:
-        return _report(args)
-    except InputError as exc:
-        print(f"fxmem: error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
-    except CaptureError as exc:
-        print(f"fxmem: cannot capture the model: {exc}", file=sys.stderr)
-        return EXIT_CAPTURE
-    except KeyboardInterrupt:
-        print("fxmem: interrupted", file=sys.stderr)
-        return 130
+        result = cli.main(args=argv, prog_name="fxmem", standalone_mode=False)
+    except click.exceptions.Exit as exc:  # raised inside commands (standalone_mode=False passes it)
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("fxmem: interrupted", err=True)
+        return EXIT_INTERRUPTED
+    return result if isinstance(result, int) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -15,3 +15,8 @@ class CaptureError(FxmemError, RuntimeError):
 
 class SymbolicCaptureFailed(CaptureError):
     """The symbolic-batch capture failed; the concrete fallback may still succeed."""
+
+
+class SequenceNotSymbolic(SymbolicCaptureFailed):
+    """The sequence length could not stay a symbol (the model fixes it, or memory is not
+    polynomial in it); a capture with only the batch symbolic may still succeed."""

@@ -34,6 +34,9 @@ def report(
     device: str = "cpu",
     gpu: str | int | None = None,
     alloc_conf: str | None = None,
+    amp: str | None = None,
+    grad_scaler: bool | None = None,
+    dynamic: Mapping | None = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -61,6 +64,18 @@ def report(
             memory is the default budget of ``fits``/``max_batch``.  Default: an H100 (noted).
         alloc_conf: CUDA only: a ``PYTORCH_CUDA_ALLOC_CONF`` string (default: the
             environment's); options the allocator model cannot honour raise ``InputError``.
+        amp: mixed precision: ``"fp16"`` or ``"bf16"`` runs the forward and the loss inside
+            ``torch.autocast(device, dtype)`` (the target's op lists: CUDA's for
+            ``device="cuda"``); None (default): no autocast.
+        grad_scaler: train with ``torch.amp.GradScaler`` (``scaler.scale(loss).backward();
+            scaler.step(opt); scaler.update()``; its scale and growth tracker count as optimizer
+            state).  Default: True for ``amp="fp16"`` in training, else False.
+
+        dynamic: sample dims, besides dim 0, that are the sequence length ``s``, which then
+            stays a symbol: ``{"input_ids": {1: "s"}, "labels": {1: "s"}}`` for a dict sample
+            (by key), ``{0: {1: "s"}}`` for a tuple (by position), ``{1: "s"}`` for a single
+            tensor.  The formulas are then in ``b`` and ``s``; ``Report.at(b, s)``,
+            ``max_batch(budget, s=)`` and ``max_seq(budget, b=)`` evaluate and invert them.
 
     Returns:
         A frozen ``Report``.
@@ -92,34 +107,51 @@ def report(
         raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
     target, notes = target_spec(device_, gpu, alloc_conf)
     factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
-    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target)
+    precision = step.Precision.of(amp, grad_scaler, mode_)
+    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision)
 
+    seq_dims, seq = _seq_dims(sample, dynamic)
     hint = max(batch, 2)
-    graph = None
+    if hint == seq:
+        hint += 1  # equal hints would make b and s one symbol (duck sizing)
+    graph, seq_range = None, None
     try:
-        raw = capture(model, sample, spec, hint, symbolic=True)
-        timeline, path = account(raw), CapturePath.SYMBOLIC
+        try:
+            raw = capture(model, sample, spec, hint, symbolic=True, seq_dims=seq_dims)
+        except SymbolicCaptureFailed as exc:  # with s symbolic: try again with b alone first
+            if seq is None:
+                raise
+            log.info("s could not stay symbolic (%s); capturing with b symbolic only", exc)
+            notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
+            seq = None
+            raw = capture(model, sample, spec, hint, symbolic=True)
+        timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         timeline, graph, valid_to, note = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
+        if seq is not None:
+            notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
+            seq = None
     _annotate(graph, timeline)
+    in_b = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
     candidates = _candidates(timeline)
-    keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to)
+    keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to, (seq_range or (0,))[0])
     pieces = tuple(_piece(timeline, *candidates[i][1], fixed) for i in keep)
 
     outside = batch < valid_from or (valid_to is not None and batch > valid_to)
-    at_batch = timeline
+    at_batch = in_b
     if outside:  # the formula does not hold here: capture this batch size itself
         at_batch = account(capture(model, sample, spec, batch, symbolic=False))
         notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
     _, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
-    live = at_batch.ops[peak_index].live_at(peak_k) if at_batch.ops else at_batch.baseline
-    breakdown = {c: v(batch) for c, v in zip(CATEGORIES, live)}
+    formulas = timeline if not outside else at_batch  # in b (and s) where the formula holds
+    live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
+    breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
 
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
@@ -137,7 +169,7 @@ def report(
         pieces=pieces,
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
-        peak_piece=_piece(at_batch, peak_index, peak_k, fixed),
+        peak_piece=_piece(formulas, peak_index, peak_k, fixed),
         path=path,
         valid_from=valid_from,
         valid_to=valid_to,
@@ -149,7 +181,55 @@ def report(
         batch_outside_range=outside,
         target=target,
         cuda=on_device,
+        seq=seq,
+        seq_range=seq_range or (2, None),
     )
+
+
+def _seq_dims(sample: Any, dynamic: Mapping | None) -> tuple[dict[int, tuple[int, ...]] | None, int | None]:
+    """``dynamic`` as ``{id(sample tensor): dims}`` and the sequence length they share."""
+    if dynamic is None:
+        return None, None
+    if not isinstance(dynamic, Mapping) or not dynamic:
+        raise InputError(f"dynamic must be a non-empty dict such as {{'input_ids': {{1: 's'}}}}, got {dynamic!r}")
+    if isinstance(sample, torch.Tensor) and all(isinstance(k, int) and isinstance(v, str) for k, v in dynamic.items()):
+        dynamic = {None: dynamic}  # {1: "s"} for a single-tensor sample
+    seq_dims, sizes = {}, {}
+    for key, dims in dynamic.items():
+        t = sample if key is None else _lookup(sample, key)
+        if not isinstance(dims, Mapping) or not dims:
+            raise InputError(f"dynamic[{key!r}] must map dims to 's', e.g. {{1: 's'}}, got {dims!r}")
+        for d, name in dims.items():
+            if name == "b" and d == 0:
+                continue  # dim 0 is the batch anyway
+            if name != "s":
+                raise InputError(f"dynamic[{key!r}][{d!r}] = {name!r}: only 's' (sequence length) is supported "
+                                 "besides dim 0 = 'b'")
+            if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < t.dim():
+                raise InputError(f"dynamic[{key!r}]: dim {d!r} is not a dim of that tensor (shape "
+                                 f"{tuple(t.shape)}; dim 0 is the batch)")
+            seq_dims.setdefault(id(t), ())
+            seq_dims[id(t)] += (d,)
+            sizes.setdefault(t.shape[d], f"{key!r}[{d}]")
+    if len(sizes) > 1:
+        detail = ", ".join(f"{where}: {size}" for size, where in sizes.items())
+        raise InputError(f"the dims named 's' must have one size in the sample, got {detail}")
+    seq = next(iter(sizes))
+    if seq < 2:
+        raise InputError(f"the sample's sequence length must be >= 2 to stay a symbol, got {seq}")
+    return seq_dims, seq
+
+
+def _lookup(sample: Any, key) -> torch.Tensor:
+    try:
+        t = sample[key]
+    except (KeyError, IndexError, TypeError):
+        where = list(sample) if isinstance(sample, Mapping) else (
+            f"positions 0..{len(sample) - 1}" if isinstance(sample, Sequence) else "a single tensor: use {1: 's'}")
+        raise InputError(f"dynamic names {key!r}, which the sample does not have ({where})") from None
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"dynamic names {key!r}, which is a {type(t).__name__}, not a tensor")
+    return t
 
 
 def _annotate(graph, timeline: Timeline) -> None:
@@ -161,7 +241,7 @@ def _annotate(graph, timeline: Timeline) -> None:
         if node is not None:
             node.meta["fxmem"] = {
                 "live": op.total.expr,
-                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p.coeffs},
+                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO},
                 "module": op.module,
                 "phase": op.phase,
             }

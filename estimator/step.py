@@ -11,16 +11,29 @@ Train step::
 
 with ``out`` and ``loss`` alive until the step returns.  Inference: ``model.eval()`` and a
 ``torch.no_grad()`` forward.
+
+Mixed precision (``Precision``) is the standard recipe::
+
+    with torch.autocast(device_type, dtype):               # Phase.FORWARD
+        out = model(sample); loss = loss_fn(out, sample)
+    scaler.scale(loss).backward()                          # Phase.BACKWARD
+    scaler.step(optimizer); scaler.update()                # Phase.OPTIMIZER
+    optimizer.zero_grad(set_to_none=True)
+
+(without a scaler: ``loss.backward()`` and ``optimizer.step()``); inference runs its
+``no_grad`` forward inside the same ``torch.autocast`` region.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
 from estimator.categories import Category, Mode, Phase
@@ -64,6 +77,85 @@ def optimizer_factory(optimizer: str | OptimizerFactory | None) -> OptimizerFact
         raise InputError(f"unknown optimizer {optimizer!r}; known names: {known} (or pass a callable)")
     cls, kwargs = OPTIMIZERS[name], {**_DEFAULT_KWARGS.get(name, {}), **kwargs}
     return lambda params: cls(params, **kwargs)
+
+
+AMP_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The step's precision: ``amp`` is the ``torch.autocast`` dtype (``"fp16"``, ``"bf16"``, or
+    None: no autocast), ``grad_scaler`` whether a ``GradScaler`` scales the loss (train)."""
+
+    amp: str | None = None
+    grad_scaler: bool = False
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise InputError(f"amp must be one of {tuple(AMP_DTYPES)} or None, got {self.amp!r}")
+        if self.grad_scaler and self.amp is None:
+            raise InputError("grad_scaler=True needs mixed precision: pass amp='fp16' (or 'bf16') with it")
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype (None without autocast)."""
+        return None if self.amp is None else AMP_DTYPES[self.amp]
+
+    @classmethod
+    def of(cls, amp: str | None, grad_scaler: bool | None, mode: Mode) -> Precision:
+        """The precision of ``report(amp=, grad_scaler=)``, checked: ``grad_scaler`` defaults to
+        True for ``amp="fp16"`` in training (fp16 gradients underflow without loss scaling),
+        else False (bf16 has fp32's range); a scaler needs ``amp`` and ``mode="train"``."""
+        if amp is not None and not isinstance(amp, str):
+            raise InputError(f"amp must be one of {tuple(AMP_DTYPES)} or None, got {amp!r}")
+        name = None if amp is None else amp.lower()
+        if name is not None and name not in AMP_DTYPES:
+            raise InputError(f"amp must be one of {tuple(AMP_DTYPES)} or None, got {amp!r}")
+        if grad_scaler is not None and not isinstance(grad_scaler, bool):
+            raise InputError(f"grad_scaler must be True, False or None (the default), got {grad_scaler!r}")
+        if grad_scaler and name is None:
+            raise InputError("grad_scaler=True needs mixed precision: pass amp='fp16' (or 'bf16') with it")
+        if grad_scaler and mode is not Mode.TRAIN:
+            raise InputError("grad_scaler=True scales the loss of a training step: it needs mode='train'")
+        if grad_scaler is None:
+            grad_scaler = name == "fp16" and mode is Mode.TRAIN
+        return cls(name, grad_scaler)
+
+
+FP32 = Precision()
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose ``step`` takes the "gradients are finite" branch when the
+    inf/nan flags are fake tensors.
+
+    ``GradScaler._maybe_opt_step`` reads the flags with ``.item()`` to decide whether to call
+    ``optimizer.step()``: data-dependent, which a ``FakeTensor`` cannot answer (it raises).  The
+    fake run assumes finite gradients (what every step but the skipped ones does; a skipped step
+    allocates less).  On real tensors this is ``torch.amp.GradScaler`` unchanged.
+    """
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        if any(isinstance(v, FakeTensor) for v in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+
+def device_type(model: nn.Module, sample: Any = ()) -> str:
+    """The device type the step runs on (``torch.autocast``'s and ``GradScaler``'s argument): the
+    first parameter's or buffer's, else the first sample tensor's, else ``"cpu"``.  Fake tensors
+    are CPU tensors, so the fake run autocasts as ``"cpu"`` whatever the target."""
+    for t in [*model.parameters(), *model.buffers(), *tree_flatten(sample)[0]]:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def autocast(precision: Precision, device: str):
+    """``torch.autocast(device, precision.dtype)``, or a no-op without ``amp``."""
+    if precision.amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=precision.dtype)
 
 
 def call_model(model: nn.Module, sample: Any) -> Any:
@@ -124,16 +216,27 @@ def train_step(
     optimizer: torch.optim.Optimizer | None,
     loss_fn: LossFn,
     on_phase: PhaseCallback = lambda phase: None,
+    precision: Precision = FP32,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[Any, torch.Tensor]:
-    """One training step; returns ``(out, loss)`` so that both stay alive to the end."""
+    """One training step; returns ``(out, loss)`` so that both stay alive to the end.
+
+    With ``scaler`` the loss is scaled before backward and ``scaler.step`` unscales the
+    gradients (skipping ``optimizer.step()`` on inf/nan) and ``scaler.update()`` adjusts the
+    scale; without an optimizer the scaled loss is back-propagated and nothing is stepped."""
     on_phase(Phase.FORWARD)
-    out = call_model(model, sample)
-    loss = _check_loss(loss_fn(out, sample))
+    with autocast(precision, device_type(model, sample)):
+        out = call_model(model, sample)
+        loss = _check_loss(loss_fn(out, sample))
     on_phase(Phase.BACKWARD)
-    loss.backward()
+    (loss if scaler is None else scaler.scale(loss)).backward()
     on_phase(Phase.OPTIMIZER)
     if optimizer is not None:
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
     else:
         for p in model.parameters():
@@ -141,10 +244,13 @@ def train_step(
     return out, loss
 
 
-def inference_step(model: nn.Module, sample: Any, on_phase: PhaseCallback = lambda phase: None) -> Any:
-    """One ``torch.no_grad()`` forward (the model must already be in eval mode)."""
+def inference_step(
+    model: nn.Module, sample: Any, on_phase: PhaseCallback = lambda phase: None, precision: Precision = FP32
+) -> Any:
+    """One ``torch.no_grad()`` forward (the model must already be in eval mode), autocast with
+    ``precision.amp``."""
     on_phase(Phase.FORWARD)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(precision, device_type(model, sample)):
         return call_model(model, sample)
 
 
@@ -152,32 +258,65 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def prepare(model: nn.Module, mode: Mode, optimizer: OptimizerFactory | None) -> torch.optim.Optimizer | None:
-    """Put ``model`` in the mode's train/eval state and build its optimizer (train only)."""
+class Prepared(NamedTuple):
+    optimizer: torch.optim.Optimizer | None
+    scaler: torch.amp.GradScaler | None
+
+
+def prepare(
+    model: nn.Module, mode: Mode, optimizer: OptimizerFactory | None, precision: Precision = FP32
+) -> Prepared:
+    """Put ``model`` in the mode's train/eval state and build its optimizer and, with
+    ``precision.grad_scaler``, its ``GradScaler`` (train only).  The scaler's ``_scale`` and
+    ``_growth_tracker`` are created lazily by its first ``scale()``: by the warm-up step."""
     model.train(mode is Mode.TRAIN)
-    if mode is not Mode.TRAIN or optimizer is None:
-        return None
+    if mode is not Mode.TRAIN:
+        return Prepared(None, None)
+    scaler = GradScaler(device_type(model)) if precision.grad_scaler else None
+    if optimizer is None:
+        return Prepared(None, scaler)
     params = trainable(model)
     if not params:
         raise InputError("mode='train' but no parameter requires grad: nothing to train")
     opt = optimizer(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise InputError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    return opt
+    return Prepared(opt, scaler)
 
 
-def run(model, sample, mode: Mode, optimizer, loss_fn: LossFn, on_phase: PhaseCallback = lambda phase: None):
-    """Run the step of ``mode`` (the model already prepared)."""
+def run(
+    model,
+    sample,
+    mode: Mode,
+    optimizer,
+    loss_fn: LossFn,
+    on_phase: PhaseCallback = lambda phase: None,
+    precision: Precision = FP32,
+    scaler: torch.amp.GradScaler | None = None,
+):
+    """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``)."""
     if mode is Mode.TRAIN:
-        return train_step(model, sample, optimizer, loss_fn, on_phase)
-    return inference_step(model, sample, on_phase)
+        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler)
+    return inference_step(model, sample, on_phase, precision)
 
 
-def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, sample: Any):
+def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, torch.Tensor]:
+    """The scaler's persistent tensors (a 0-dim fp32 scale and int32 growth counter, 4 B each,
+    on the step's device), once its first ``scale()`` created them."""
+    if scaler is None:
+        return {}
+    state = {"grad_scaler._scale": scaler._scale, "grad_scaler._growth_tracker": scaler._growth_tracker}
+    return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+def state_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, sample: Any, scaler: torch.amp.GradScaler | None = None
+):
     """The tensors alive before a step starts, by category, each ``{name: tensor}`` (without
     gradients: the step ends with ``zero_grad(set_to_none=True)``).
 
-    Plain tensor attributes of modules (not registered as buffers) count as buffers.
+    Plain tensor attributes of modules (not registered as buffers) count as buffers; the
+    ``GradScaler``'s scale and growth tracker count as optimizer state.
     """
     params = {name: p for name, p in model.named_parameters()}
     buffers = {name: t for name, t in model.named_buffers()}
@@ -194,7 +333,8 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, sam
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     states[f"{param_names.get(id(param), 'param')}.{key}"] = value
-    inputs, tree = tree_flatten(sample)
+    states.update(scaler_state(scaler))
+    inputs = tree_flatten(sample)[0]
     return {
         Category.PARAMETER: params,
         Category.BUFFER: buffers,

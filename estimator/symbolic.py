@@ -1,9 +1,11 @@
-"""Byte counts as polynomials in the batch size ``b``, and the peak as a max over pieces.
+"""Byte counts as polynomials in the batch size ``b`` (and optionally the sequence length
+``s``), and the peak as a max over pieces.
 
 Every live-bytes value of a model whose batch rows are independent is a polynomial in ``b``
-with integer coefficients (linear for almost all models).  Keeping exact integer coefficients
-instead of sympy expressions makes the per-op arithmetic cheap; sympy appears only at the
-surface (``Poly.expr``, ``peak_formula``).
+with integer coefficients (linear for almost all models); in ``s`` it is a polynomial too
+where attention materializes ``s x s`` scores.  Keeping exact integer coefficients instead
+of sympy expressions makes the per-op arithmetic cheap; sympy appears only at the surface
+(``Poly.expr``, ``peak_formula``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import sympy
 
 B = sympy.Symbol("b", integer=True, positive=True)
+S = sympy.Symbol("s", integer=True, positive=True)
 
 
 def as_expr(value):
@@ -32,14 +35,19 @@ def as_expr(value):
 
 
 class NotPolynomial(ValueError):
-    """A byte count is not a polynomial in ``b`` with integer coefficients."""
+    """A byte count is not a polynomial in ``b`` (and ``s``) with integer coefficients."""
 
 
 @dataclass(frozen=True, slots=True)
 class Poly:
-    """``sum(coeffs[i] * b**i)``, exact integers; trailing zeros trimmed."""
+    """``sum(coeffs[i] * b**i) + sum(c * b**i * s**j for (i, j, c) in mixed)``, exact integers.
+
+    ``coeffs`` are the terms without ``s`` (trailing zeros trimmed); ``mixed`` the terms with
+    ``s`` (``j >= 1``, sorted, no zero ``c``), empty unless the capture made ``s`` a symbol.
+    """
 
     coeffs: tuple[int, ...] = ()
+    mixed: tuple[tuple[int, int, int], ...] = ()
 
     @staticmethod
     def const(n: int) -> Poly:
@@ -47,7 +55,7 @@ class Poly:
 
     @staticmethod
     def of(value) -> Poly:
-        """From an int, a SymInt or a sympy expression in ``b``."""
+        """From an int, a SymInt or a sympy expression in ``b`` (and ``s``)."""
         if isinstance(value, Poly):
             return value
         if isinstance(value, int):
@@ -58,35 +66,84 @@ class Poly:
         a, c = self.coeffs, other.coeffs
         if len(a) < len(c):
             a, c = c, a
-        return _trim(tuple(x + (c[i] if i < len(c) else 0) for i, x in enumerate(a)))
+        coeffs = tuple(x + (c[i] if i < len(c) else 0) for i, x in enumerate(a))
+        if not self.mixed and not other.mixed:
+            return _trim(coeffs)
+        return _make(coeffs, _merge(self.mixed, other.mixed))
 
     def __neg__(self) -> Poly:
-        return Poly(tuple(-x for x in self.coeffs))
+        return Poly(tuple(-x for x in self.coeffs), tuple((i, j, -c) for i, j, c in self.mixed))
 
     def __sub__(self, other: Poly) -> Poly:
         return self + (-other)
 
     def __mul__(self, k: int) -> Poly:
-        return _trim(tuple(k * x for x in self.coeffs))
+        if not k:
+            return ZERO
+        return _make(tuple(k * x for x in self.coeffs), tuple((i, j, k * c) for i, j, c in self.mixed))
 
-    def __call__(self, b: int) -> int:
-        return sum(c * b**i for i, c in enumerate(self.coeffs))
+    def __call__(self, b: int, s: int | None = None) -> int:
+        value = sum(c * b**i for i, c in enumerate(self.coeffs))
+        if self.mixed:
+            if s is None:
+                raise ValueError(f"{self} depends on s: give s")
+            value += sum(c * b**i * s**j for i, j, c in self.mixed)
+        return value
+
+    @property
+    def has_s(self) -> bool:
+        return bool(self.mixed)
+
+    def at_s(self, s: int) -> Poly:
+        """The polynomial in ``b`` at sequence length ``s``."""
+        if not self.mixed:
+            return self
+        extra: dict[int, int] = {}
+        for i, j, c in self.mixed:
+            extra[i] = extra.get(i, 0) + c * s**j
+        n = max(len(self.coeffs), max(extra) + 1)
+        return _trim(tuple((self.coeffs[i] if i < len(self.coeffs) else 0) + extra.get(i, 0) for i in range(n)))
+
+    def in_s(self, b: int) -> Poly:
+        """The polynomial in ``s`` at batch size ``b``, as a ``Poly`` whose variable is ``s``."""
+        by_j: dict[int, int] = {0: self(b, 0) if self.mixed else self(b)}
+        for i, j, c in self.mixed:
+            by_j[j] = by_j.get(j, 0) + c * b**i
+        return _trim(tuple(by_j.get(j, 0) for j in range(max(by_j) + 1)))
 
     @property
     def degree(self) -> int:
-        return len(self.coeffs) - 1
+        """The degree in ``b``."""
+        return max(len(self.coeffs) - 1, max((i for i, _, _ in self.mixed), default=-1))
 
     def coeff(self, i: int) -> int:
         return self.coeffs[i] if i < len(self.coeffs) else 0
 
     @property
     def expr(self) -> sympy.Expr:
-        return sum((sympy.Integer(c) * B**i for i, c in enumerate(self.coeffs)), sympy.Integer(0))
+        terms = [sympy.Integer(c) * B**i for i, c in enumerate(self.coeffs)]
+        terms += [sympy.Integer(c) * B**i * S**j for i, j, c in self.mixed]
+        return sum(terms, sympy.Integer(0))
 
     def dominates(self, other: Poly) -> bool:
-        """True when ``self >= other`` for every ``b >= 0`` coefficient by coefficient."""
+        """True when ``self >= other`` for every ``b, s >= 0`` coefficient by coefficient."""
         n = max(len(self.coeffs), len(other.coeffs))
-        return all(self.coeff(i) >= other.coeff(i) for i in range(n))
+        if not all(self.coeff(i) >= other.coeff(i) for i in range(n)):
+            return False
+        mine, theirs = {(i, j): c for i, j, c in self.mixed}, {(i, j): c for i, j, c in other.mixed}
+        return all(mine.get(k, 0) >= theirs.get(k, 0) for k in mine.keys() | theirs.keys())
+
+    def shifted(self, db: int, ds: int = 0) -> Poly:
+        """The polynomial of ``(x, y)`` equal to ``self(x + db, y + ds)``."""
+        out: dict[tuple[int, int], int] = {}
+        terms = [(i, 0, c) for i, c in enumerate(self.coeffs) if c] + list(self.mixed)
+        for i, j, c in terms:
+            for k in range(i + 1):
+                for m in range(j + 1):
+                    key = (k, m)
+                    out[key] = out.get(key, 0) + c * math.comb(i, k) * db ** (i - k) * math.comb(j, m) * ds ** (j - m)
+        flat = tuple(out.get((i, 0), 0) for i in range(max((i for i, j in out if j == 0), default=-1) + 1))
+        return _make(flat, tuple(sorted((i, j, c) for (i, j), c in out.items() if j and c)))
 
     def __str__(self) -> str:
         return str(self.expr)
@@ -102,6 +159,17 @@ def _trim(coeffs: tuple[int, ...]) -> Poly:
     return Poly(coeffs[:end])
 
 
+def _merge(a, b) -> tuple[tuple[int, int, int], ...]:
+    terms: dict[tuple[int, int], int] = {}
+    for i, j, c in (*a, *b):
+        terms[i, j] = terms.get((i, j), 0) + c
+    return tuple(sorted((i, j, c) for (i, j), c in terms.items() if c))
+
+
+def _make(coeffs: tuple[int, ...], mixed) -> Poly:
+    return Poly(_trim(coeffs).coeffs, tuple(t for t in mixed if t[2]))
+
+
 @functools.lru_cache(maxsize=4096)
 def _from_expr(expr) -> Poly:
     expr = sympy.sympify(expr)
@@ -109,16 +177,23 @@ def _from_expr(expr) -> Poly:
         if not expr.is_integer:
             raise NotPolynomial(f"{expr} is not an integer")
         return Poly.const(int(expr))
-    if expr.free_symbols != {B}:
-        raise NotPolynomial(f"{expr} depends on {expr.free_symbols - {B}}")
+    if not expr.free_symbols <= {B, S}:
+        raise NotPolynomial(f"{expr} depends on {expr.free_symbols - {B, S}}")
     try:
-        poly = sympy.Poly(sympy.expand(expr), B)
+        poly = sympy.Poly(sympy.expand(expr), B, S)
     except sympy.PolynomialError as exc:
-        raise NotPolynomial(f"{expr} is not a polynomial in b") from exc
-    coeffs = poly.all_coeffs()[::-1]
-    if not all(c.is_integer for c in coeffs):
-        raise NotPolynomial(f"{expr} has non-integer coefficients")
-    return _trim(tuple(int(c) for c in coeffs))
+        raise NotPolynomial(f"{expr} is not a polynomial in b" + (" and s" if S in expr.free_symbols else "")) from exc
+    coeffs: dict[int, int] = {}
+    mixed = []
+    for (i, j), c in poly.terms():
+        if not c.is_integer:
+            raise NotPolynomial(f"{expr} has non-integer coefficients")
+        if j:
+            mixed.append((i, j, int(c)))
+        else:
+            coeffs[i] = int(c)
+    flat = tuple(coeffs.get(i, 0) for i in range(max(coeffs, default=-1) + 1))
+    return _make(flat, tuple(sorted(mixed)))
 
 
 def fit(samples: Sequence[tuple[int, int]], exact: bool = True) -> Poly:
@@ -138,24 +213,29 @@ def fit(samples: Sequence[tuple[int, int]], exact: bool = True) -> Poly:
     return line
 
 
-def nondominated(polys: Iterable[Poly], lo: int, hi: int | None) -> list[int]:
-    """Indices of the polynomials that are the maximum somewhere in ``[lo, hi]``.
+def nondominated(polys: Iterable[Poly], lo: int, hi: int | None, s_lo: int = 0) -> list[int]:
+    """Indices of the polynomials that are the maximum somewhere in ``b`` in ``[lo, hi]`` (and
+    ``s >= s_lo``).
 
-    Linear pieces: the exact upper envelope.  Higher degree: coefficient-wise dominance,
-    which keeps every piece that can be the maximum (and possibly a few that cannot).
+    Linear pieces in ``b``: the exact upper envelope.  Otherwise coefficient-wise dominance
+    of ``p(lo + x, s_lo + y)`` over ``x, y >= 0``, which keeps every piece that can be the
+    maximum (and possibly a few that cannot).
     """
     polys = list(polys)
     best: dict[Poly, int] = {}
     for i, p in enumerate(polys):
         best.setdefault(p, i)
     unique = list(best.items())
-    if all(p.degree <= 1 for p, _ in unique):
+    if all(p.degree <= 1 and not p.has_s for p, _ in unique):
         return sorted(_upper_envelope(unique, lo, hi))
-    keep = []
-    for p, i in unique:
-        if not any(q != p and q.dominates(p) for q, _ in unique):
-            keep.append(i)
-    return sorted(keep)
+    # Largest first at the domain's corner: a piece can only be dominated by one at least as
+    # large there, and dominance is transitive, so comparing with the kept pieces suffices.
+    shifted = sorted(((p.shifted(lo, s_lo), i) for p, i in unique), key=lambda t: -t[0](0, 0))
+    keep: list[tuple[Poly, int]] = []
+    for p, i in shifted:
+        if not any(q.dominates(p) for q, _ in keep):
+            keep.append((p, i))
+    return sorted(i for _, i in keep)
 
 
 def _upper_envelope(lines: list[tuple[Poly, int]], lo: int, hi: int | None) -> list[int]:
@@ -195,7 +275,7 @@ def max_fitting(polys: Sequence[Poly], budget: int, lo: int, hi: int | None) -> 
         if best == math.inf:
             raise ValueError("memory does not grow with b: every batch size fits")
         return max(int(best), lo - 1)
-    peak = lambda b: max(p(b) for p in polys)  # noqa: E731
+    peak = lambda b: max(p(b) for p in polys)
     if peak(lo) > budget:
         return lo - 1
     good, bad = lo, lo * 2

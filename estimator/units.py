@@ -19,7 +19,7 @@ _UNITS = {
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: float | str) -> int:
     """Bytes from an int or a string such as ``"80GiB"``, ``"40 GB"``, ``"512MiB"``.
 
     GiB/MiB are powers of two, GB/MB powers of ten, a bare ``G``/``M`` is taken as GiB/MiB.
@@ -47,7 +47,7 @@ def parse_bytes(value: int | float | str) -> int:
     return int(number * factor)
 
 
-def format_bytes(n: int | float) -> str:
+def format_bytes(n: float) -> str:
     """``1536 -> '1.50 KiB'``; exact bytes below 1 KiB."""
     n = float(n)
     for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from models_zoo import _common
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from models_zoo import _common
 

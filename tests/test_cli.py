@@ -1,42 +1,348 @@
-"""The `fxmem` command as a user runs it: a subprocess, its output and its exit code."""
+"""The `fxmem` command as a user runs it: a subprocess, its output and its exit code.
 
+Each run is mostly torch's import, so the runs the selected tests need start together, a few
+at a time, when the first of them is asked for; each test then checks its own run.  Checks
+that need no subprocess (the model-spec errors, each command's --help) run in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+import estimator
+import models_zoo
+from estimator import models
+from estimator.cli import cli
+from estimator.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = textwrap.dedent(
+    """
+    import torch
 
 
-def fxmem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator", *args], capture_output=True, text=True, timeout=300)
+    def make():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        return model, torch.randn(4, 16)
 
 
-def test_report_table():
-    run = fxmem("report", "mlp", "--batch", "4")
-    assert run.returncode == 0, run.stderr
+    def make_with_loss():
+        model, sample = make()
+        return model, sample, lambda out, x: out.square().sum()
+
+
+    def junk():
+        return 42
+
+
+    def not_a_model():
+        return "model", torch.randn(4, 16)
+
+
+    def broken():
+        raise RuntimeError("no such dataset")
+    """
+)
+FORMATS = ("sympy", "latex", "markdown", "json")
+SUBPROCESS_FORMATS = ("sympy",)  # the others in-process: each subprocess costs ~4 s of CPU
+
+# name -> arguments; "{dir}" is a folder holding FACTORY as factory.py and fxmem_cli_factory.py
+CASES = {
+    "help": ("--help",),
+    "report": ("report", "mlp", "--batch", "4"),
+    "report-json": ("report", "mlp", "--json", "--budget", "1MiB", "--mode", "inference", "-q"),
+    **{f"formula-{f}": ("formula", "mlp", "--format", f, "-q") for f in SUBPROCESS_FORMATS},
+    "fit-json": ("fit", "mlp", "--budget", "1MiB", "--json", "-q"),
+    "bad-name": ("report", "gtp"),
+    "bad-budget": ("fit", "mlp", "--budget", "lots"),
+    "gpu-without-cuda": ("report", "mlp", "--gpu", "H100"),
+    "file-factory": ("report", "{dir}/factory.py:make", "--json", "-q"),
+    "module-factory": ("report", "fxmem_cli_factory:make_with_loss", "--batch", "16", "-q"),
+    "junk-factory": ("report", "{dir}/factory.py:junk"),
+    "integration-bad-name": ("report", "torchvision:resnt18"),
+}
+
+
+def uses(*names: str):
+    """Declare the runs a test reads (so that only the selected tests' runs start)."""
+
+    def mark(func):
+        func.cases = names
+        return func
+
+    return mark
+
+
+def _fxmem(args: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "estimator", *args], check=False, capture_output=True, text=True, timeout=300,
+        cwd=cwd, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fxmem_cli")
+    (path / "factory.py").write_text(FACTORY)
+    (path / "fxmem_cli_factory.py").write_text(FACTORY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(request, folder):
+    """name -> Future of its CompletedProcess, started for every selected test of this module."""
+    wanted = {name for item in request.session.items for name in getattr(getattr(item, "function", None), "cases", ())}
+    pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    futures: dict[str, Future] = {}
+    for name, args in CASES.items():
+        if name in wanted:
+            futures[name] = pool.submit(_fxmem, tuple(a.replace("{dir}", str(folder)) for a in args), folder)
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def ok(runs, name: str) -> subprocess.CompletedProcess:
+    run = runs[name].result()
+    assert run.returncode == 0, f"{CASES[name]}: exit {run.returncode}\n{run.stderr}"
+    assert "Traceback" not in run.stderr
+    return run
+
+
+def failed(runs, name: str, code: int) -> str:
+    """The one error line of a failed run."""
+    run = runs[name].result()
+    assert run.returncode == code, f"{CASES[name]}: exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    return run.stderr
+
+
+@pytest.fixture(scope="module")
+def mlp_report():
+    model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
+    return estimator.report(model, make_sample(8), batch=8, mode="train", optimizer="adamw", loss_fn=loss_fn)
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+@uses("report")
+def test_report_prints_the_table_and_progress(runs):
+    run = ok(runs, "report")
     assert "fxmem: MLP, train, optimizer adamw, device cpu, batch 4" in run.stdout
     assert "formula (bytes, symbolic capture" in run.stdout
+    assert "fxmem: capturing mlp (debug), train, b=4 ..." in run.stderr
+    assert "fxmem: done in " in run.stderr
 
 
-def test_report_json_with_budget():
-    run = fxmem("report", "mlp", "--json", "--budget", "1MiB", "--mode", "inference")
-    assert run.returncode == 0, run.stderr
+@uses("report-json")
+def test_report_json_with_budget(runs):
+    run = ok(runs, "report-json")
+    assert run.stderr == ""  # --quiet
     data = json.loads(run.stdout)
-    assert data["mode"] == "inference" and data["budget"]["bytes"] == 2**20
-    assert data["budget"]["max_batch"] > 0
+    assert data["mode"] == "inference" and data["optimizer"] is None and data["batch"] == 8
+    assert data["budget"]["bytes"] == 2**20 and data["budget"]["max_batch"] > 0
+    assert data["breakdown_coefficients"]  # to_json, not to_dict
+
+
+def formula_output(runs, fmt: str) -> str:
+    if fmt in SUBPROCESS_FORMATS:
+        return ok(runs, f"formula-{fmt}").stdout
+    result = CliRunner().invoke(cli, ["formula", "mlp", "--format", fmt, "-q"])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@uses(*(f"formula-{f}" for f in SUBPROCESS_FORMATS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_formula_in_every_format(runs, mlp_report, fmt):
+    out = formula_output(runs, fmt).strip()
+    if fmt == "json":
+        data = json.loads(out)
+        assert data["peak"] == str(mlp_report.peak) and data["symbol"] == "b"
+    else:
+        render = {"sympy": lambda: str(mlp_report.peak), "latex": mlp_report.to_latex, "markdown": mlp_report.to_markdown}
+        assert out == render[fmt]().strip()
+    assert {"sympy": "Max(", "latex": r"\begin{align*}", "markdown": "| category |", "json": '"peak"'}[fmt] in out
+
+
+@uses("fit-json")
+def test_fit_is_the_reports_max_batch(runs, mlp_report):
+    best = mlp_report.max_batch("1MiB")
+    assert best > 8
+    data = json.loads(ok(runs, "fit-json").stdout)
+    assert data["max_batch"] == best and data["budget_bytes"] == 2**20
+    assert data["peak_bytes"] == mlp_report.at(best) <= 2**20 < mlp_report.at(best + 1)
+    text = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1MiB", "-q"])
+    assert text.exit_code == 0 and text.output.startswith(f"largest batch that fits in 1MiB: {best} (peak ")
+
+
+def test_fit_when_nothing_fits():
+    result = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1KiB", "-q"])
+    assert result.exit_code == 0 and result.output.startswith("nothing fits in 1KiB: the peak at b = 2 is already")
+
+
+@uses("help")
+def test_help_lists_commands_and_examples(runs):
+    out = ok(runs, "help").stdout
+    for command in ("report", "formula", "fit", "models"):
+        assert f"  {command} " in out
+    assert "Examples:" in out and "fxmem report gpt --size gpt2-small --batch 8" in out
+    assert "Exit codes:" in out
+
+
+@pytest.mark.parametrize("command", ["report", "formula", "fit", "models"])
+def test_each_commands_help_has_examples(command):
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0
+    assert "Examples:" in result.output and f"fxmem {command} " in result.output
+    if command != "models":
+        assert "FILE.py:FUNC" in result.output and "--json" in result.output
+
+
+# --- model specs -------------------------------------------------------------------------------
+
+
+@uses("file-factory")
+def test_file_factory(runs, folder):
+    data = json.loads(ok(runs, "file-factory").stdout)
+    assert data["model"] == "Sequential" and data["batch"] == 4  # the sample's batch
+    assert not (folder / "__pycache__").exists()  # nothing written beside the user's file
+
+
+@uses("module-factory")
+def test_module_factory_with_its_loss(runs):
+    out = ok(runs, "module-factory").stdout
+    assert "fxmem: Sequential, train, optimizer adamw, device cpu, batch 16" in out
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@uses("bad-name")
+def test_unknown_model_suggests_close_names(runs):
+    err = failed(runs, "bad-name", 2)
+    assert err.startswith("fxmem: error: unknown model 'gtp'. Did you mean 'gpt'?")
+    assert "path/to/file.py:factory" in err and err.count("\n") == 1
+
+
+@uses("bad-budget")
+def test_malformed_budget_fails_before_capturing(runs):
+    err = failed(runs, "bad-budget", 2)
+    assert err == (
+        "fxmem: error: cannot parse the memory size 'lots': write a number and a unit, "
+        "e.g. '80GiB', '40 GB', '512MiB' or a plain number of bytes\n"
+    )
+
+
+def test_bad_batch_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["report", "mlp", "--batch", "0"])
+    assert result.exit_code == 2 and "Invalid value for '--batch'" in result.output
+
+
+@uses("gpu-without-cuda")
+def test_contradictory_flags(runs):
+    err = failed(runs, "gpu-without-cuda", 2)
+    assert err == "fxmem: error: --gpu H100 needs --device cuda (it describes the CUDA target), got --device cpu\n"
+
+
+@uses("junk-factory")
+def test_factory_returning_junk(runs):
+    err = failed(runs, "junk-factory", 2)
+    assert err.startswith("fxmem: error: ") and err.rstrip().endswith(
+        "factory.py:junk() must return (model, sample) or (model, sample, loss_fn), got a value of type int"
+    )
+
+
+def test_gpu_target():
+    result = CliRunner().invoke(cli, ["report", "mlp", "--device", "cuda", "--gpu", "H100", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["device"] == "cuda"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("estimator.integrations") is None, reason="no estimator.integrations")
+@uses("integration-bad-name")
+def test_integration_is_delegated(runs):
+    err = failed(runs, "integration-bad-name", 2)
+    assert err.startswith("fxmem: error: ")
+    assert "'resnet18'" in err or "pip install" in err  # a suggestion, or the missing package named
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "estimator", "report", "gpt", "--size", "gpt2-small"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )
+    line = proc.stderr.readline()  # printed when the capture starts, after the imports
+    assert line.startswith("fxmem: capturing gpt (gpt2-small)"), line
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "fxmem: interrupted" in err and "Traceback" not in err and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_module_imports_no_torch():
+    """`fxmem --help` stays fast: the command module itself imports torch only inside commands."""
+    code = textwrap.dedent(
+        f"""
+        import sys, types
+        package = types.ModuleType("estimator")  # the package without its __init__ (which imports torch)
+        package.__path__ = [{str(ROOT / "estimator")!r}]
+        sys.modules["estimator"] = package
+        sys.modules["torch"] = None  # importing torch now raises
+        from estimator.cli import main
+        assert main(["--help"]) == 0 and main(["report", "--help"]) == 0
+        assert "sympy" not in sys.modules
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+# --- model specs in-process (no subprocess needed) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "args, code, message",
+    "spec, kwargs, message",
     [
-        (("report", "gtp"), 2, "did you mean 'gpt'"),
-        (("report", "gpt", "--size", "huge"), 2, "unknown size 'huge'"),
-        (("report", "mlp", "--budget", "lots"), 2, "cannot parse the memory size 'lots'"),
-        (("report", "mlp", "--batch", "0"), 2, "batch must be a positive int"),
+        ("gpt", {"size": "huge"}, "unknown size 'huge' for model 'gpt'. Valid: debug, gpt2-small"),
+        ("gpt", {"size": "gpt2-smal"}, "Did you mean 'gpt2-small'?"),
+        ("mlp", {"dtype": "fp8"}, "dtype must be one of fp32, bf16, fp16"),
+        ("model.py", {}, "name the factory function in 'model.py': write model.py:FUNCTION"),
+        ("{dir}/nope.py:make", {}, "no such file"),
+        ("{dir}/factory.py:mak", {}, "has no 'mak'. Did you mean {dir}/factory.py:make?"),
+        ("{dir}/factory.py:not_a_model", {}, "the model is a str, not a torch.nn.Module"),
+        ("{dir}/factory.py:broken", {}, "factory.py:broken() raised RuntimeError: no such dataset"),
+        ("{dir}/factory.py:make", {"size": "debug"}, "--size applies to zoo models only"),
+        ("no_such_module_xyz:make", {}, "cannot import module 'no_such_module_xyz'"),
+        ("not a module:make", {}, "neither a .py file nor a dotted module name"),
     ],
 )
-def test_bad_input_exits_nonzero_with_a_message(args, code, message):
-    run = fxmem(*args)
-    assert run.returncode == code
-    assert message in run.stderr
-    assert "Traceback" not in run.stderr
+def test_model_spec_errors(folder, spec, kwargs, message):
+    with pytest.raises(InputError) as info:
+        models.resolve(spec.replace("{dir}", str(folder)), **kwargs)
+    assert message.replace("{dir}", str(folder)) in str(info.value)
+
+
+def test_model_spec_parsing():
+    assert models.parse("gpt") == models.Spec("zoo", "gpt")
+    assert models.parse("a/b.py:make") == models.Spec("file", "a/b.py", "make")
+    assert models.parse("pkg.mod:make") == models.Spec("module", "pkg.mod", "make")
+    assert models.parse("timm:resnet50") == models.Spec("integration", "timm", "resnet50")
+    assert models.parse("transformers:./configs/a:b") == models.Spec("integration", "transformers", "./configs/a:b")
+    assert models.parse("C:/models/x.py:make") == models.Spec("file", "C:/models/x.py", "make")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import estimator
 from estimator import step

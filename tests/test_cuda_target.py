@@ -50,7 +50,7 @@ def test_cuda_adamw_is_foreach_and_its_step_counters_stay_on_the_host():
 
 def test_an_explicit_foreach_false_is_respected():
     model, x = nn.Linear(64, 32), torch.randn(4, 64)
-    factory = lambda params: torch.optim.AdamW(params, foreach=False)  # noqa: E731
+    factory = lambda params: torch.optim.AdamW(params, foreach=False)
     spec = StepSpec(Mode.TRAIN, factory, step.default_loss, TargetSpec(Target.CUDA, H100))
     timeline = account(capture(model, x, spec, 4, symbolic=False))
     assert max(_optimizer_allocations(timeline)) == 64 * 32 * 4  # the weight's sqrt alone

@@ -34,8 +34,8 @@ from torch import nn
 
 import estimator
 from estimator import Category, Phase, Poly
-from validators.cpu import measure_cpu
 from tests.models import TwoInputs
+from validators.cpu import measure_cpu
 
 C = Category
 

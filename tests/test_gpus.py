@@ -4,10 +4,13 @@ import pytest
 
 from estimator.errors import InputError
 from estimator.target.gpus import (
-    GPUS, GpuSpec, cublas_workspace_bytes, cublaslt_extra_bytes, cublaslt_workspace_bytes,
+    GPUS,
+    GpuSpec,
+    cublas_workspace_bytes,
+    cublaslt_extra_bytes,
+    cublaslt_workspace_bytes,
     resolve_gpu,
 )
-
 
 # --- cuBLAS workspace defaults (parseChosenWorkspaceSize) ---------------------------------
 

@@ -42,7 +42,7 @@ def test_str_shows_guards_and_notes():
             return self.l(x) if x.shape[0] < 16 else self.l(x) + 1
 
     text = str(estimator.report(Branchy(), torch.randn(8, 16), optimizer=None))
-    assert "b < 16" in text and "b <= 15" in text
+    assert "b < 16" in text and "b ≤ 15" in text
     assert "optimizer=None" in text
 
 

@@ -19,7 +19,7 @@ ZOO = ["mlp", "gpt", "resnet"]
 MODES = ["train", "inference"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zoo_report(name: str, mode: str, batch: int):
     """One report per (model, mode, batch), shared by the tests of this module."""
     model, make_sample, loss_fn = models_zoo.get(name, "debug")

@@ -16,22 +16,25 @@ from pathlib import Path
 import torch
 
 CASES = [
-    # (zoo name, size, batch, mode)
-    ("resnet", "resnet50", 32, "train"),
-    ("gpt", "gpt2-small", 8, "train"),
-    ("gpt", "gpt2-small", 8, "inference"),
-    ("llama", "7b", 1, "train"),
-    ("llama", "7b", 1, "inference"),
+    # (zoo name, size, batch, mode, target device)
+    ("resnet", "resnet50", 32, "train", "cpu"),
+    ("gpt", "gpt2-small", 8, "train", "cpu"),
+    ("gpt", "gpt2-small", 8, "inference", "cpu"),
+    ("llama", "7b", 1, "train", "cpu"),
+    ("llama", "7b", 1, "inference", "cpu"),
+    ("gpt", "gpt2-small", 8, "train", "cuda"),  # + the allocator replay
+    ("llama", "7b", 1, "train", "cuda"),
 ]
 
 _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 import estimator, models_zoo
-name, size, batch, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+name, size, batch, mode, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 model, make_sample, loss_fn = models_zoo.get(name, size, device="meta")
 t1 = time.perf_counter()
-rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn)
+rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn,
+                       device=device, **({"gpu": "H100"} if device == "cuda" else {}))
 t2 = time.perf_counter()
 print(json.dumps({"import_and_build_s": t1 - t0, "estimate_s": t2 - t1, "peak_bytes": rep.peak_bytes,
                   "formula": str(rep.peak), "capture": rep.path.value, "ops": len(rep.timeline.ops),
@@ -39,27 +42,30 @@ print(json.dumps({"import_and_build_s": t1 - t0, "estimate_s": t2 - t1, "peak_by
 """
 
 
-def run_case(name: str, size: str, batch: int, mode: str) -> dict:
+def run_case(name: str, size: str, batch: int, mode: str, device: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, name, size, str(batch), mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _CHILD, name, size, str(batch), mode, device], capture_output=True, text=True, check=True
     )
-    return json.loads(out.stdout.strip().splitlines()[-1]) | {"model": name, "size": size, "batch": batch, "mode": mode}
+    case = {"model": name, "size": size, "batch": batch, "mode": mode, "device": device}
+    return json.loads(out.stdout.strip().splitlines()[-1]) | case
 
 
 def to_markdown(results: list[dict]) -> str:
     lines = [
         "# Estimator cost",
         "",
-        f"`python -m validators.bench` on {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}; models built on the meta device, "
-        "optimizer AdamW; each case in a fresh process (peak RSS includes importing torch).",
+        (f"`python -m validators.bench` on {platform.processor() or platform.machine()}, "
+         f"{torch.get_num_threads()} threads, torch {torch.__version__}; models built on the meta device, "
+         "optimizer AdamW; each case in a fresh process (peak RSS includes importing torch). Device `cuda`: "
+         "the CUDA target for an H100 (CUDA kernels and defaults, allocator replay), still on this CPU machine."),
         "",
-        "| model | size | mode | batch | estimate time | import + build | peak RSS | ops | capture | predicted peak |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+        ("| model | size | mode | device | batch | estimate time | import + build | peak RSS | ops | capture "
+         "| predicted peak |"),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['model']} | {r['size']} | {r['mode']} | {r['batch']} | {r['estimate_s']:.1f} s "
+            f"| {r['model']} | {r['size']} | {r['mode']} | {r['device']} | {r['batch']} | {r['estimate_s']:.1f} s "
             f"| {r['import_and_build_s']:.1f} s | {r['max_rss_bytes'] / 2**30:.2f} GiB | {r['ops']} | {r['capture']} "
             f"| {r['peak_bytes'] / 2**30:.2f} GiB |"
         )

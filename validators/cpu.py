@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from estimator import step
 from estimator.categories import Mode
-from validators.steady import warm_up
+from validators.steady import skipped, warm_up
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class Measurement:
     events: int  # allocator events seen
 
 
-def baseline_bytes(model, optimizer, sample) -> int:
+def baseline_bytes(model, optimizer, sample, scaler=None) -> int:
     storages: dict[int, int] = {}
-    for tensors in step.state_tensors(model, optimizer, sample).values():
+    for tensors in step.state_tensors(model, optimizer, sample, scaler).values():
         for t in tensors.values():
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
@@ -56,16 +56,25 @@ def measure_cpu(
     mode: Mode | str = Mode.TRAIN,
     optimizer: str | step.OptimizerFactory | None = "adamw",
     loss_fn: step.LossFn | None = None,
+    amp: str | None = None,
+    grad_scaler: bool | None = None,
 ) -> Measurement:
     """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
 
-    The step is ``estimator.step.run``: the same code the estimator runs on fake tensors.
+    The step is ``estimator.step.run``: the same code the estimator runs on fake tensors, with
+    the same precision (``amp``, ``grad_scaler`` as in ``estimator.report``).  A measured step
+    whose ``GradScaler`` found inf/nan gradients (and skipped ``optimizer.step()``) raises: the
+    estimator predicts the step with finite gradients.
     """
-    mode, opt, loss_fn = warm_up(model, sample, mode, optimizer, loss_fn)
-    baseline = baseline_bytes(model, opt, sample)
+    precision = step.Precision.of(amp, grad_scaler, Mode(mode))
+    mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision)
+    baseline = baseline_bytes(model, opt, sample, scaler)
+    scale = None if scaler is None else scaler.get_scale()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = step.run(model, sample, mode, opt, loss_fn)
+        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
     del result
+    if skipped(scaler, scale, opt):
+        raise RuntimeError("the measured step's GradScaler found inf/nan gradients and skipped optimizer.step()")
     running = peak = 0
     deltas = _allocation_deltas(prof)
     for _, delta in deltas:

@@ -36,19 +36,23 @@ def measure_cuda(
     optimizer: str | step.OptimizerFactory | None = "adamw",
     loss_fn: step.LossFn | None = None,
     device: str | torch.device = "cuda",
+    amp: str | None = None,
+    grad_scaler: bool | None = None,
 ) -> CudaMeasurement:
-    """Move ``model`` and ``sample`` to ``device`` and measure one steady-state step."""
+    """Move ``model`` and ``sample`` to ``device`` and measure one steady-state step, with the
+    precision of ``estimator.report(amp=, grad_scaler=)`` (``torch.autocast("cuda")``)."""
+    precision = step.Precision.of(amp, grad_scaler, Mode(mode))
     if not torch.cuda.is_available():
         raise RuntimeError("measure_cuda needs a CUDA device; none is available")
     device = torch.device(device)
     model = model.to(device)
     sample = tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
-    mode, opt, loss_fn = warm_up(model, sample, mode, optimizer, loss_fn)
+    mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    result = step.run(model, sample, mode, opt, loss_fn)
+    result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
     torch.cuda.synchronize(device)
     del result
     used = None

@@ -155,19 +155,19 @@ def to_markdown(rows: list[Row], header: dict[str, str]) -> str:
     lines = [
         "# Validation on a GPU",
         "",
-        f"Predicted `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` (`estimator.report(..., "
-        f"device='cuda', gpu='{header['gpu_arg']}')`, predicted on a machine without a GPU) against the same step "
-        f"measured on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}), optimizer `{OPTIMIZER}`.",
+        (f"Predicted `torch.cuda.max_memory_allocated()` / `max_memory_reserved()` (`estimator.report(..., "
+         f"device='cuda', gpu='{header['gpu_arg']}')`, predicted on a machine without a GPU) against the same step "
+         f"measured on {header['device']} (torch {header['torch']}, CUDA {header['cuda']}), optimizer `{OPTIMIZER}`."),
         "",
         "Reproduce: `python -m validators.gpu predict` anywhere, then `python -m validators.gpu measure` on the GPU.",
         "",
-        f"**{stats['cases']} cases: max_memory_allocated median |error| "
-        f"{stats['allocated_median_abs_error_pct']:.2f} %, max {stats['allocated_max_abs_error_pct']:.2f} %; "
-        f"max_memory_reserved median {stats['reserved_median_abs_error_pct']:.2f} %, "
-        f"max {stats['reserved_max_abs_error_pct']:.2f} %.**",
+        (f"**{stats['cases']} cases: max_memory_allocated median |error| "
+         f"{stats['allocated_median_abs_error_pct']:.2f} %, max {stats['allocated_max_abs_error_pct']:.2f} %; "
+         f"max_memory_reserved median {stats['reserved_median_abs_error_pct']:.2f} %, "
+         f"max {stats['reserved_max_abs_error_pct']:.2f} %.**"),
         "",
-        "| model | mode | dtype | batch | allocated predicted | measured | error | reserved predicted | measured | error "
-        "| nvidia-smi predicted | measured |",
+        ("| model | mode | dtype | batch | allocated predicted | measured | error | reserved predicted | measured "
+         "| error | nvidia-smi predicted | measured |"),
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

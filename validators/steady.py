@@ -10,14 +10,34 @@ import torch
 from estimator import step
 from estimator.categories import Mode
 
+# GradScaler: warm-up steps allowed to find inf/nan gradients (each halves the scale) before
+# one is taken; the steady state has the optimizer state a taken step creates.
+MAX_SKIPPED_STEPS = 32
 
-def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn):
-    """Put ``model`` in ``mode``, build its optimizer and run one unmeasured step (optimizer
-    state is created lazily).  Returns ``(mode, optimizer, loss_fn)`` for the measured step."""
+
+def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn, precision=step.FP32):
+    """Put ``model`` in ``mode``, build its optimizer (and ``GradScaler``) and run one unmeasured
+    step (optimizer and scaler state are created lazily).  Returns ``(mode, optimizer, loss_fn,
+    scaler)`` for the measured step.
+
+    With a ``GradScaler``, a warm-up step whose gradients overflowed is skipped by the scaler
+    (no optimizer state yet): the warm-up repeats until a step is taken."""
     mode = Mode(mode)
-    opt = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None)
+    opt, scaler = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None, precision)
     loss_fn = loss_fn or step.default_loss
-    result = step.run(model, sample, mode, opt, loss_fn)
-    del result
+    for _ in range(MAX_SKIPPED_STEPS):
+        before = None if scaler is None else scaler.get_scale()  # the initial scale before the first step
+        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
+        del result
+        if not skipped(scaler, before, opt):
+            break
+    else:
+        raise RuntimeError(f"every one of {MAX_SKIPPED_STEPS} warm-up steps found inf/nan gradients")
     gc.collect()
-    return mode, opt, loss_fn
+    return mode, opt, loss_fn, scaler
+
+
+def skipped(scaler, scale_before: float | None, optimizer) -> bool:
+    """Whether the step just run skipped ``optimizer.step()``: ``GradScaler.update`` lowers the
+    scale exactly when a gradient was inf/nan."""
+    return scaler is not None and optimizer is not None and scaler.get_scale() < scale_before

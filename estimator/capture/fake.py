@@ -50,31 +50,39 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
             memo[id(value)] = fake
     try:
         return copy.deepcopy(model, memo)
-    except Exception as exc:  # noqa: BLE001 - any failure here is the model's, say so
+    except Exception as exc:
         raise CaptureError(
             f"could not copy the model ({type(exc).__name__}: {exc}); fxmem deep-copies the module "
             "structure with fake tensors: objects that cannot be deep-copied must not be module attributes"
         ) from exc
 
 
-def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool) -> Any:
+def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
+                seq_dims: dict[int, tuple[int, ...]] | None = None) -> Any:
     """Fake copy of ``sample`` with dim 0 of every tensor set to ``batch``.
 
     ``symbolic=True`` makes that dim the one symbol of the batch size, with ``batch`` as its
-    hint (duck sizing gives every tensor the same symbol).  The same tensor object under two
-    names stays one tensor.
+    hint (duck sizing gives every tensor the same symbol).  ``seq_dims`` (``id(tensor) ->
+    dims``) makes those dims of those tensors the one symbol of the sequence length, hinted
+    by their size in the sample (which must differ from ``batch``: duck sizing would merge
+    the two symbols).  The same tensor object under two names stays one tensor.
 
     Known limitations: sample tensors become contiguous, and distinct sample tensors that
     share a storage (one a view of another) become separate storages.
     """
     converted: dict[int, torch.Tensor] = {}
 
+    seq_dims = seq_dims or {}
+
     def convert(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in converted:
             meta = torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device="meta")
             ctx = None
             if symbolic:
-                ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK] + [DimDynamic.STATIC] * (t.dim() - 1))
+                dynamic = [DimDynamic.DUCK] + [DimDynamic.STATIC] * (t.dim() - 1)
+                for d in seq_dims.get(id(t), ()):
+                    dynamic[d] = DimDynamic.DUCK
+                ctx = StatelessSymbolicContext(dynamic_sizes=dynamic)
             converted[id(t)] = _fake(meta, mode, ctx)
         return converted[id(t)]
 

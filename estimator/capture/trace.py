@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -25,20 +25,23 @@ from estimator.capture.fake import fake_model, fake_sample
 from estimator.capture.substitute import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Category, Mode, Phase
-from estimator.errors import CaptureError, FxmemError, SymbolicCaptureFailed
-from estimator.symbolic import B, NotPolynomial, Poly
+from estimator.corrections.cuda import autocast as cuda_autocast
+from estimator.errors import CaptureError, FxmemError, SequenceNotSymbolic, SymbolicCaptureFailed
+from estimator.symbolic import B, NotPolynomial, Poly, S
 from estimator.target.spec import TargetSpec
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """What step to run: the mode, the optimizer factory (train), the loss function, and the
-    target whose kernels and defaults the capture follows."""
+    """What step to run: the mode, the optimizer factory (train), the loss function, the
+    target whose kernels and defaults the capture follows, and the precision (autocast dtype,
+    GradScaler)."""
 
     mode: Mode
     optimizer: step.OptimizerFactory | None
     loss_fn: step.LossFn
-    target: TargetSpec = TargetSpec()
+    target: TargetSpec = field(default_factory=TargetSpec)
+    precision: step.Precision = step.FP32
 
 
 @dataclass
@@ -51,58 +54,80 @@ class RawCapture:
     valid_from: int  # the range of b where the capture holds (from the shape guards)
     valid_to: int | None
     guards: tuple[str, ...]
+    seq_range: tuple[int, int | None] | None = None  # where the formula holds in s (s symbolic)
 
 
-def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool) -> RawCapture:
-    """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``)."""
+def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+            seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``).
+
+    ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
+    sequence length ``s``, hinted by their size in the sample.
+    """
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     fmodel = fake_model(model, mode)
-    fsample = fake_sample(sample, mode, batch, symbolic)
+    fsample = fake_sample(sample, mode, batch, symbolic, seq_dims if symbolic else None)
     batch_symbols = _batch_symbols(fsample)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target.device)
     substitutions = (
         Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) else contextlib.nullcontext()
     )
+    # The fake tensors are CPU tensors, so torch.autocast("cpu") applies the CPU op lists: the
+    # CUDA target's capture runs with CUDA's autocast policies instead (innermost: it casts the
+    # arguments of substituted functions before the substitutes see them).
+    amp_policy = cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp else contextlib.nullcontext()
 
-    with _errors_named(symbolic), mode, substitutions:
+    with _errors_named(symbolic), mode, substitutions, amp_policy:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
-        optimizer = step.prepare(fmodel, spec.mode, spec.optimizer)
+        optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
         corrections.apply_optimizer_rules(spec.target, optimizer)
-        _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, symbolic=False), spec, optimizer)
+        _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, symbolic=False), spec, optimizer, scaler)
         on_host = _host_state(spec, optimizer)
-        for category, tensors in step.state_tensors(fmodel, optimizer, fsample).items():
+        for category, tensors in step.state_tensors(fmodel, optimizer, fsample, scaler).items():
             tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
         with tracker, _module_hooks(tracker):
-            result = step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel))
+            result = step.run(
+                fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler
+            )
         tracker.flush()
         _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
 
     if not symbolic:
-        storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes))) for sid, s in tracker.storages.items()}
+        storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
     return _to_batch_symbol(tracker, graph, shape_env, batch_symbols)
 
 
-def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer) -> None:
+def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer, scaler) -> None:
     """Reach the steady state the measured step starts from.
 
     Optimizer state is created lazily by the first ``step()``; it depends on the parameters'
-    shapes only, so a step on zero gradients creates it without a forward and backward.  Lazy
+    shapes only, so a step on zero gradients creates it without a forward and backward.  A
+    ``GradScaler`` creates its scale and growth tracker at its first ``scale()``: scaling a
+    zero loss does, and ``scaler.step``/``update`` then run as in a real first step.  Lazy
     modules (``nn.LazyLinear``…) need a real first step, on a static sample (cheaper: no
     symbolic arithmetic).
     """
     if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
-        result = step.run(model, make_static_sample(), spec.mode, optimizer, spec.loss_fn)
+        result = step.run(model, make_static_sample(), spec.mode, optimizer, spec.loss_fn, precision=spec.precision,
+                          scaler=scaler)
         del result
-    elif optimizer is not None:
+        return
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=step.device_type(model)))
+    if optimizer is not None:
         for p in step.trainable(model):
             p.grad = torch.zeros_like(p)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
 
@@ -120,54 +145,121 @@ def _host_state(spec: StepSpec, optimizer) -> set[int]:
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
-    return Storage(nbytes, storage.category, storage.op)
+    return Storage(nbytes, storage.category, storage.op)  # extra folded into nbytes
 
 
-def _batch_symbols(fsample) -> set[sympy.Symbol]:
-    """The symbols of the batch size, read before the step runs (the model's code may
-    specialize them to a constant, which must then be detected).  A fake input's storage
-    size can carry a symbol of its own besides its shape's."""
-    symbols = set()
+def _batch_symbols(fsample) -> tuple[set[sympy.Symbol], set[sympy.Symbol]]:
+    """The symbols of the batch size and of the sequence length, read before the step runs
+    (the model's code may specialize them to a constant, which must then be detected).  Dim 0
+    is the batch; any other symbolic dim is the sequence length.  A fake input's storage size
+    can carry a symbol of its own besides its shape's: it belongs to the batch."""
+    batch, seq = set(), set()
     for t in tree_flatten(fsample)[0]:
         if isinstance(t, torch.Tensor):
-            for value in (t.shape[0], t.untyped_storage().nbytes()):
-                symbols |= sympy.sympify(as_expr(value)).free_symbols
-    return symbols
+            batch |= _free(t.shape[0])
+            for size in t.shape[1:]:
+                seq |= _free(size)
+    for t in tree_flatten(fsample)[0]:
+        if isinstance(t, torch.Tensor):
+            batch |= _free(t.untyped_storage().nbytes()) - seq
+    return batch, seq
 
 
-def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols: set[sympy.Symbol]) -> RawCapture:
-    """Map the batch symbols to ``b`` and read the valid range from the guards."""
+def _free(value) -> set[sympy.Symbol]:
+    return set(sympy.sympify(as_expr(value)).free_symbols)
+
+
+def _symbol_range(shape_env: ShapeEnv, symbols, what: str, error: type) -> tuple[int, int | None]:
+    """The range the guards leave to ``symbols`` (which must stay free symbols)."""
     lo, hi = 2, None
     for symbol in symbols:
         resolved = shape_env.replace(symbol)
         if not isinstance(resolved, sympy.Symbol):
-            raise SymbolicCaptureFailed(f"the model's code fixes the batch size (to {resolved})")
+            raise error(f"the model's code fixes the {what} (to {resolved})")
         value_range = shape_env.var_to_range[resolved]
         if value_range.lower == value_range.upper:
-            raise SymbolicCaptureFailed(f"the model's code fixes the batch size (to {value_range.lower})")
+            raise error(f"the model's code fixes the {what} (to {value_range.lower})")
         lo = max(lo, int(value_range.lower))
         if value_range.upper.is_Integer:  # else int_oo: unbounded
             hi = int(value_range.upper) if hi is None else min(hi, int(value_range.upper))
-    to_b = {shape_env.replace(s): B for s in symbols} | {s: B for s in symbols}
-    guards = tuple(dict.fromkeys(
-        str(g.expr.xreplace(to_b)) for g in shape_env.guards if g.expr.free_symbols & set(to_b)
-    ))
+    return lo, hi
 
-    def to_poly(value) -> Poly:
+
+def _narrow(lo: int, hi: int | None, guards, symbol: sympy.Symbol) -> tuple[int, int | None]:
+    """Narrow ``[lo, hi]`` by the guards on ``symbol`` alone that the shape environment did not
+    turn into a range (``10*b <= 3072``: a kernel's path choice)."""
+    for guard in guards:
+        if guard.free_symbols != {symbol} or not isinstance(guard, sympy.core.relational.Relational):
+            continue
+        try:
+            interval = sympy.solve_univariate_inequality(guard, symbol, relational=False)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        if not isinstance(interval, sympy.Interval):
+            continue  # a union or something stranger: leave the range alone
+        if interval.start.is_finite:
+            start = int(sympy.ceiling(interval.start))
+            lo = max(lo, start + 1 if interval.left_open and start == interval.start else start)
+        if interval.end.is_finite:
+            end = int(sympy.floor(interval.end))
+            end = end - 1 if interval.right_open and end == interval.end else end
+            hi = end if hi is None else min(hi, end)
+    return lo, hi
+
+
+def _upper_bound(expr: sympy.Expr) -> sympy.Expr:
+    """A polynomial upper bound of a kernel estimate with ``floor``/``ceiling`` in it (for
+    b, s >= 0): ``floor(x) <= x``, ``ceiling(x) <= x + 1`` (also torch's ``FloorDiv`` /
+    ``CeilToInt`` of SymInt arithmetic); coefficients rounded up later."""
+    from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt
+
+    expr = expr.replace(FloorDiv, lambda a, d: a / d)
+    expr = expr.replace(FloorToInt, lambda x: x).replace(CeilToInt, lambda x: x + 1)
+    return expr.replace(sympy.floor, lambda x: x).replace(sympy.ceiling, lambda x: x + 1)
+
+
+def _ceil_coefficients(expr: sympy.Expr) -> sympy.Expr:
+    poly = sympy.Poly(sympy.expand(expr), B, S)
+    return sum((sympy.ceiling(c) * B**i * S**j for (i, j), c in poly.terms()), sympy.Integer(0))
+
+
+def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols) -> RawCapture:
+    """Map the batch symbols to ``b`` (and the sequence symbols to ``s``) and read the valid
+    ranges from the guards."""
+    batch, seq = symbols
+    lo, hi = _symbol_range(shape_env, batch, "batch size", SymbolicCaptureFailed)
+    seq_lo, seq_hi = _symbol_range(shape_env, seq, "sequence length", SequenceNotSymbolic)
+    to_b = {shape_env.replace(s): B for s in batch} | {s: B for s in batch}
+    to_b |= {shape_env.replace(s): S for s in seq} | {s: S for s in seq}
+    exprs = [g.expr.xreplace(to_b) for g in shape_env.guards if g.expr.free_symbols & set(to_b)]
+    lo, hi = _narrow(lo, hi, exprs, B)
+    seq_lo, seq_hi = _narrow(seq_lo, seq_hi, exprs, S)
+    guards = tuple(dict.fromkeys(str(e) for e in exprs))
+
+    def to_poly(value, bound: bool = False) -> Poly:
         if isinstance(value, int):
             return Poly.const(value)
         expr = shape_env.replace(sympy.sympify(value)).xreplace(to_b)
         try:
             return Poly.of(expr)
         except NotPolynomial as exc:
-            raise SymbolicCaptureFailed(f"a byte count is not a polynomial in b: {exc}") from exc
+            if bound:  # a kernel's buffer estimate (correction): its polynomial upper bound will do
+                try:
+                    return Poly.of(_ceil_coefficients(_upper_bound(expr)))
+                except (NotPolynomial, sympy.PolynomialError):
+                    pass
+            cls = SequenceNotSymbolic if S in expr.free_symbols else SymbolicCaptureFailed
+            raise cls(f"a byte count is not a polynomial in b{' and s' if seq else ''}: {exc}") from exc
 
-    storages = {sid: _with_bytes(s, to_poly(s.nbytes)) for sid, s in tracker.storages.items()}
+    # Tensor sizes must be exact polynomials; corrections' estimates may be bounded.
+    storages = {
+        sid: _with_bytes(s, to_poly(s.nbytes) + to_poly(s.extra, bound=True)) for sid, s in tracker.storages.items()
+    }
     for op in tracker.ops:
-        op.scratch = tuple(to_poly(x) for x in op.scratch)
-    for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b
+        op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
+    for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
         node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
-    return RawCapture(tracker.ops, storages, graph, lo, hi, guards)
+    return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None)
 
 
 def _on_phase(tracker: Tracker, model: nn.Module):
@@ -185,9 +277,9 @@ def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: 
     if phase_ended is Phase.FORWARD:
         for key in tracker.alive_keys():
             storage = tracker.storages[key]
-            if storage.op >= 0 and tracker.ops[storage.op].phase is Phase.FORWARD:
-                if storage.category is Category.TEMPORARY:
-                    storage.category = Category.ACTIVATION
+            forward = storage.op >= 0 and tracker.ops[storage.op].phase is Phase.FORWARD
+            if forward and storage.category is Category.TEMPORARY:
+                storage.category = Category.ACTIVATION
     elif phase_ended is Phase.BACKWARD:
         for p in model.parameters():
             if p.grad is not None:
@@ -227,7 +319,7 @@ def _errors_named(symbolic: bool):
         yield
     except FxmemError:
         raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with a clear message
+    except Exception as exc:  # re-raised with a clear message
         where = _user_frame(exc)
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if where:

@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from estimator import corrections
 from estimator.capture.graph import GraphRecorder
 from estimator.categories import Category, Phase, Target
-from estimator.symbolic import as_expr  # before corrections: its entries import it from here
-from estimator import corrections  # noqa: E402,I001
+from estimator.symbolic import as_expr
 
 # Ops that bookkeep rather than compute: never an allocation.
 _SKIP = {
@@ -35,6 +35,7 @@ class Storage:
     nbytes: Any  # int, or a SymInt's sympy expression in the shape-env symbols
     category: Category
     op: int  # index of the op that allocated it; -1 for state alive before the step
+    extra: Any = 0  # bytes a correction adds (the real kernel's buffer beyond the meta kernel's)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Tracker(TorchDispatchMode):
         if address in self._alive:
             return None
         key = len(self.storages)
-        self.storages[key] = Storage(as_expr(storage.nbytes()) + as_expr(extra), category, op)
+        self.storages[key] = Storage(as_expr(storage.nbytes()), category, op, as_expr(extra))
         self._alive[address] = (key, weakref.ref(storage, lambda _, a=address: self._free(a)))
         return key
 

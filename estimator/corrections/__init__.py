@@ -1,10 +1,13 @@
 """Per-op knowledge by target, one registry (``registry.py``); the entries live by target and
-op family: ``cpu/`` (oneDNN convolution and RNN, CPU batch norm), ``cuda/`` (attention
-backends, fused kernels, optimizer defaults), ``loss.py`` (kernels shared by both).
+op family: ``cpu/`` (oneDNN convolution and RNN, CPU batch norm, losses), ``cuda/`` (attention
+backends, fused kernels, cuDNN RNN, autocast lists, optimizer defaults).
 
 Importing this package registers every entry.
 """
 
+from estimator.corrections.cpu import conv, loss, norm, rnn  # noqa: F401  (registers the entries)
+from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401
+from estimator.corrections.cuda import rnn as cuda_rnn
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
@@ -21,9 +24,6 @@ from estimator.corrections.registry import (
     substitutes,
     substitution,
 )
-from estimator.corrections import loss  # noqa: F401,E402  (registers the entries)
-from estimator.corrections.cpu import conv, norm, rnn  # noqa: F401,E402
-from estimator.corrections.cuda import attention, kernels, optim, rnn as cuda_rnn  # noqa: F401,E402
 
 __all__ = [
     "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "has_substitutes", "host_state", "lookup",

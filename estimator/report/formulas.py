@@ -10,19 +10,35 @@ import json
 
 import sympy
 
-from estimator.symbolic import B, Poly
+from estimator.symbolic import ZERO, B, Poly, S
 from estimator.units import MiB
 
 _MIB_DIGITS = 6
 
 
 def _mib(poly: Poly) -> sympy.Expr:
-    return sympy.nsimplify(poly.expr / MiB).evalf(_MIB_DIGITS) if poly.coeffs else sympy.Integer(0)
+    return sympy.nsimplify(poly.expr / MiB).evalf(_MIB_DIGITS) if poly != ZERO else sympy.Integer(0)
 
 
-def _range(rep) -> str:
+def range_text(rep) -> str:
     upper = "∞" if rep.valid_to is None else str(rep.valid_to)
-    return f"{rep.valid_from} ≤ b ≤ {upper}"
+    text = f"{rep.valid_from} ≤ b ≤ {upper}"
+    if rep.seq is not None:
+        lo, hi = rep.seq_range
+        text += f", {lo} ≤ s ≤ {'∞' if hi is None else hi}"
+    return text
+
+
+def symbols_text(rep) -> str:
+    return "b, s" if rep.seq is not None else "b"
+
+
+def coefficients(poly: Poly):
+    """Exact integer coefficients: ``[c0, c1, ...]`` of ``b**i``, or, for a formula in ``b`` and
+    ``s``, ``{"b": [...], "b_s": [[i, j, c], ...]}`` (``c * b**i * s**j``)."""
+    if not poly.has_s:
+        return list(poly.coeffs)
+    return {"b": list(poly.coeffs), "b_s": [list(t) for t in poly.mixed]}
 
 
 def _peak_latex(rep, scale) -> str:
@@ -34,14 +50,14 @@ def to_latex(rep) -> str:
     """An ``align*`` block: the peak in bytes (exact) and in MiB, then each category at the peak."""
     lines = [
         r"\begin{align*}",
-        rf"\mathrm{{peak}}(b) &= {_peak_latex(rep, lambda p: p.expr)} \;\text{{B}} \\",
+        rf"\mathrm{{peak}}({symbols_text(rep)}) &= {_peak_latex(rep, lambda p: p.expr)} \;\text{{B}} \\",
         rf"&\approx {_peak_latex(rep, _mib)} \;\text{{MiB}} \\",
     ]
     for category, poly in rep.breakdown_formula.items():
-        if poly.coeffs:
-            lines.append(rf"\text{{{category.value}}}(b) &= {sympy.latex(poly.expr)} \;\text{{B}} \\")
-    upper = rf" \le {rep.valid_to}" if rep.valid_to is not None else ""
-    lines += [rf"&\text{{valid for }} {rep.valid_from} \le b{upper}", r"\end{align*}"]
+        if poly != ZERO:
+            lines.append(rf"\text{{{category.value}}}({symbols_text(rep)}) &= {sympy.latex(poly.expr)} \;\text{{B}} \\")
+    valid = range_text(rep).replace("≤", r"\le").replace("∞", r"\infty")
+    lines += [rf"&\text{{valid for }} {valid}", r"\end{align*}"]
     return "\n".join(lines)
 
 
@@ -49,17 +65,19 @@ def to_markdown(rep) -> str:
     """The peak formula and a table of the categories at the peak, as formulas and at ``batch``."""
     peak = " , ".join(f"`{p.expr}`" for p in rep.pieces)
     lines = [
-        f"**Peak memory of one {rep.mode.value} step of `{rep.model}`** (bytes; b = batch size; "
-        f"{rep.path.value} capture, valid for {_range(rep)}):",
+        (f"**Peak memory of one {rep.mode.value} step of `{rep.model}`** (bytes; b = batch size; "
+         + ("s = sequence length; " if rep.seq is not None else "")
+         + f"{rep.path.value} capture, valid for {range_text(rep)}):"),
         "",
-        f"peak(b) = max({peak})" if len(rep.pieces) > 1 else f"peak(b) = {peak}",
+        f"peak({symbols_text(rep)}) = max({peak})" if len(rep.pieces) > 1 else f"peak({symbols_text(rep)}) = {peak}",
         "",
-        f"| category | formula (B) | formula (MiB) | at b = {rep.batch} |",
+        f"| category | formula (B) | formula (MiB) | at b = {rep.batch}"
+        + (f", s = {rep.seq}" if rep.seq is not None else "") + " |",
         "|---|---|---|---:|",
     ]
     for category, poly in rep.breakdown_formula.items():
-        if poly.coeffs:
-            lines.append(f"| {category.value} | `{poly.expr}` | `{_mib(poly)}` | {poly(rep.batch):,} |")
+        if poly != ZERO:
+            lines.append(f"| {category.value} | `{poly.expr}` | `{_mib(poly)}` | {poly(rep.batch, rep.seq):,} |")
     total = sum(rep.breakdown_formula.values(), Poly())
     lines.append(f"| **total at the peak** | `{total.expr}` | `{_mib(total)}` | {rep.peak_bytes:,} |")
     if rep.guards:
@@ -71,5 +89,7 @@ def to_json(rep, indent: int | None = 2) -> str:
     """``Report.to_dict()`` with exact integer coefficients for every formula, as JSON."""
     data = rep.to_dict()
     data["symbol"] = str(B)
-    data["breakdown_coefficients"] = {c.value: list(p.coeffs) for c, p in rep.breakdown_formula.items()}
+    if rep.seq is not None:
+        data["symbols"] = [str(B), str(S)]
+    data["breakdown_coefficients"] = {c.value: coefficients(p) for c, p in rep.breakdown_formula.items()}
     return json.dumps(data, indent=indent)

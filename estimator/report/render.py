@@ -6,6 +6,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from estimator.report.formulas import coefficients, range_text, symbols_text
+from estimator.symbolic import ZERO
 from estimator.units import format_bytes
 
 # Module rows shown in the text table: the model and its children down to this depth.
@@ -13,27 +15,26 @@ TABLE_DEPTH = 2
 
 
 def table(rep) -> str:
-    upper = "∞" if rep.valid_to is None else str(rep.valid_to)
     lines = [
         f"fxmem: {rep.model}, {rep.mode.value}"
         + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
         + f", device {rep.device}" + (f" ({rep.target.gpu.name})" if rep.cuda is not None else "")
-        + f", batch {rep.batch}",
+        + f", batch {rep.batch}" + (f", sequence length {rep.seq}" if rep.seq is not None else ""),
         f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) in the {rep.peak_piece.phase.value} phase"
         f" at {rep.peak_piece.op}" + (f" in {rep.peak_piece.module}" if rep.peak_piece.module else ""),
-        f"formula (bytes, {rep.path.value} capture, valid for {rep.valid_from} <= b <= {upper}): {rep.peak}",
+        f"formula (bytes, {rep.path.value} capture, valid for {range_text(rep)}): {rep.peak}",
         "",
     ]
     rows = [
         [category.value, format_bytes(value), f"{value:,}", str(rep.breakdown_formula[category])]
         for category, value in rep.breakdown.items()
-        if value or rep.breakdown_formula[category].coeffs
+        if value or rep.breakdown_formula[category] != ZERO
     ]
     if rep.cuda is None:
         rows.append(["total", format_bytes(rep.peak_bytes), f"{rep.peak_bytes:,}", str(rep.peak_piece.bytes)])
     else:
         rows += _cuda_rows(rep)
-    lines.append(tabulate(rows, headers=["at the peak", "size", "bytes", "formula in b"], colalign=("left", "right", "right", "left")))
+    lines.append(tabulate(rows, headers=["at the peak", "size", "bytes", f"formula in {symbols_text(rep)}"], colalign=("left", "right", "right", "left")))
     module_rows = [
         [("  " * m.path.count(".") + (m.path or "(model)")), m.type, f"{m.params:,}", format_bytes(m.param_bytes),
          format_bytes(m.activations(rep.batch)), format_bytes(m.at_peak(rep.batch))]
@@ -76,10 +77,11 @@ def to_dict(rep) -> dict[str, Any]:
         "device": rep.device,
         "optimizer": rep.optimizer,
         "batch": rep.batch,
+        "seq": rep.seq,
         "peak_bytes": rep.peak_bytes,
         "peak": str(rep.peak),
         "pieces": [
-            {"bytes": list(p.bytes.coeffs), "formula": str(p.expr), "phase": p.phase.value, "op": p.op,
+            {"bytes": coefficients(p.bytes), "formula": str(p.expr), "phase": p.phase.value, "op": p.op,
              "node": p.node, "module": p.module}
             for p in rep.pieces
         ],

@@ -86,6 +86,8 @@ class Report:
     batch_outside_range: bool = False  # peak_bytes then comes from a capture at ``batch`` itself
     target: TargetSpec = field(default=TargetSpec(), repr=False, compare=False)
     cuda: CudaMemory | None = None  # CUDA target: the allocator's view at ``batch``
+    seq: int | None = None  # the sequence length ``s`` of the sample, when the formula is in ``s``
+    seq_range: tuple[int, int | None] = (2, None)  # where the formula holds in ``s``
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -112,11 +114,11 @@ class Report:
 
     @property
     def peak(self) -> sympy.Expr:
-        """The peak as a sympy expression in ``b`` (``Max`` over the pieces)."""
+        """The peak as a sympy expression in ``b`` (and ``s``) (``Max`` over the pieces)."""
         exprs = [p.expr for p in self.pieces]
         return exprs[0] if len(exprs) == 1 else sympy.Max(*exprs)
 
-    def _check_range(self, b: int) -> None:
+    def _check_range(self, b: int, s: int | None = None) -> None:
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise InputError(f"batch size must be a positive int, got {b!r}")
         if b < self.valid_from or (self.valid_to is not None and b > self.valid_to):
@@ -126,24 +128,43 @@ class Report:
                 f"({'; '.join(self.guards) or 'batch sizes 0 and 1 specialize shapes'}); "
                 f"call estimator.report(..., batch={b}) for b={b}"
             )
+        if s is None or s == self.seq:
+            return
+        if self.seq is None:
+            raise InputError("this report's formula is not in s: pass dynamic= to estimator.report to make the "
+                             "sequence length a symbol")
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+            raise InputError(f"sequence length must be a positive int, got {s!r}")
+        lo, hi = self.seq_range
+        if s < lo or (hi is not None and s > hi):
+            raise InputError(f"the formula holds for {lo} <= s <= {'∞' if hi is None else hi} "
+                             f"({'; '.join(self.guards) or 'lengths 0 and 1 specialize shapes'})")
 
-    def at(self, b: int) -> int:
-        """Predicted peak bytes at batch size ``b`` (CUDA: ``max_memory_allocated``)."""
-        self._check_range(b)
+    def _pieces_at(self, s: int | None) -> list[Poly]:
+        """The peak's pieces as polynomials in ``b`` at sequence length ``s`` (default ``seq``)."""
+        s = self.seq if s is None else s
+        return [p.bytes.at_s(s) if s is not None else p.bytes for p in self.pieces]
+
+    def at(self, b: int, s: int | None = None) -> int:
+        """Predicted peak bytes at batch size ``b`` (and sequence length ``s``, default the
+        sample's); CUDA: ``max_memory_allocated``."""
+        self._check_range(b, s)
         if self.cuda is not None:
-            return self.on_device(b).allocated
-        return max(p.bytes(b) for p in self.pieces)
+            return self.on_device(b, s).allocated
+        return max(p(b) for p in self._pieces_at(s))
 
-    def on_device(self, b: int | None = None) -> CudaMemory:
-        """CUDA: the allocator's view at ``b`` (default ``batch``): allocated, reserved, device."""
+    def on_device(self, b: int | None = None, s: int | None = None) -> CudaMemory:
+        """CUDA: the allocator's view at ``b`` (default ``batch``) and ``s`` (default ``seq``):
+        allocated, reserved, device."""
         if self.cuda is None:
             raise InputError("on_device() is for device='cuda' reports")
-        if b is None or b == self.batch:
+        if (b is None or b == self.batch) and (s is None or s == self.seq):
             return self.cuda
-        self._check_range(b)
+        b = self.batch if b is None else b
+        self._check_range(b, s)
         from estimator.target.cuda import predict
 
-        return predict(self.timeline, b, self.target)
+        return predict(self.timeline.at_s(self.seq if s is None else s), b, self.target)
 
     def _budget(self, budget: int | str | None) -> int:
         if budget is not None:
@@ -154,40 +175,57 @@ class Report:
                              "known memory size has a default")
         return gpu.total_memory
 
-    def max_batch(self, budget: int | str | None = None) -> int:
-        """The largest batch size whose step fits in ``budget`` (bytes or ``"80GiB"``); 0 if none.
+    def max_batch(self, budget: int | str | None = None, s: int | None = None) -> int:
+        """The largest batch size whose step fits in ``budget`` (bytes or ``"80GiB"``) at sequence
+        length ``s`` (default the sample's); 0 if none.
 
         CPU: exact, ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
         CUDA: the budget is the device's memory (default: the GPU's); the inverted formula
         bounds the answer from above and the allocator replay finds the largest ``b`` whose
         ``device_bytes`` fit (bisection: reserved memory grows with ``b``).
         """
+        self._check_range(self.batch, s)
         limit = self._budget(budget)
         tensor_limit = limit if self.cuda is None else limit - self.cuda.context
         try:
-            best = max_fitting([p.bytes for p in self.pieces], tensor_limit, self.valid_from, self.valid_to)
+            best = max_fitting(self._pieces_at(s), tensor_limit, self.valid_from, self.valid_to)
         except ValueError as exc:
             raise InputError(f"cannot invert the peak formula: {exc}") from exc
         if best < self.valid_from:
             return 0
         if self.cuda is None:
             return best
-        lo, hi = self.valid_from - 1, best  # fits(lo) holds (or lo is below the range), answer <= hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.on_device(mid).device <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo if lo >= self.valid_from else 0
+        return _bisect(lambda b: self.on_device(b, s).device <= limit, self.valid_from, best)
 
-    def fits(self, budget: int | str | None = None, b: int | None = None) -> bool:
-        """Whether the step at ``b`` (default: ``batch``) fits in ``budget`` (CUDA: the device's
-        memory, default the GPU's, compared with ``device_bytes``)."""
+    def max_seq(self, budget: int | str | None = None, b: int | None = None) -> int:
+        """The largest sequence length whose step fits in ``budget`` at batch size ``b``
+        (default ``batch``); 0 if none.  Needs a report with ``s`` symbolic (``dynamic=``)."""
+        if self.seq is None:
+            raise InputError("max_seq needs a formula in s: pass dynamic= to estimator.report")
+        b = self.batch if b is None else b
+        self._check_range(b)
+        limit = self._budget(budget)
+        tensor_limit = limit if self.cuda is None else limit - self.cuda.context
+        lo, hi = self.seq_range
+        try:
+            best = max_fitting([p.bytes.in_s(b) for p in self.pieces], tensor_limit, lo, hi)
+        except ValueError as exc:
+            raise InputError(f"cannot invert the peak formula in s: {exc}") from exc
+        if best < lo:
+            return 0
+        if self.cuda is None:
+            return best
+        return _bisect(lambda s: self.on_device(b, s).device <= limit, lo, best)
+
+    def fits(self, budget: int | str | None = None, b: int | None = None, s: int | None = None) -> bool:
+        """Whether the step at ``b`` (default: ``batch``) and ``s`` fits in ``budget`` (CUDA: the
+        device's memory, default the GPU's, compared with ``device_bytes``)."""
         limit = self._budget(budget)
         if self.cuda is not None:
-            return self.on_device(b).device <= limit
-        return (self.peak_bytes if b is None else self.at(b)) <= limit
+            return self.on_device(b, s).device <= limit
+        if b is None and s is None:
+            return self.peak_bytes <= limit
+        return self.at(self.batch if b is None else b, s) <= limit
 
     def to_dict(self) -> dict[str, Any]:
         from estimator.report.render import to_dict
@@ -212,7 +250,31 @@ class Report:
 
         return to_json(self, indent)
 
+    def plot_timeline(self, b: int | None = None, **kwargs):
+        """The live memory after every op by category (a matplotlib Figure; ``fxmem[plot]``)."""
+        from estimator.report.plot import plot_timeline
+
+        return plot_timeline(self, b, **kwargs)
+
+    def plot_peak_vs_batch(self, **kwargs):
+        """The peak over batch sizes with the budget and the largest batch (a matplotlib Figure)."""
+        from estimator.report.plot import plot_peak_vs_batch
+
+        return plot_peak_vs_batch(self, **kwargs)
+
     def __str__(self) -> str:
         from estimator.report.render import table
 
         return table(self)
+
+
+def _bisect(fits, lo: int, hi: int) -> int:
+    """The largest ``n`` in ``[lo, hi]`` with ``fits(n)`` (``fits`` monotone); 0 if none."""
+    first, lo = lo, lo - 1  # fits(lo) holds or lo is below the range; the answer is <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if lo >= first else 0

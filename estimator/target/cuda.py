@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass
 
 from estimator.account import Timeline, allocation_events
-from estimator.corrections.cuda import not_modelled
 from estimator.categories import Phase
+from estimator.corrections.cuda import not_modelled
 from estimator.target.cuda_allocator import replay
 from estimator.target.gpus import cublas_workspace_bytes, cublaslt_extra_bytes
 from estimator.target.spec import TargetSpec

@@ -37,9 +37,15 @@ from estimator.errors import InputError
 from estimator.units import GiB, MiB, format_bytes, parse_bytes
 
 __all__ = [
-    "GpuSpec", "GPUS", "resolve_gpu",
-    "cublas_workspace_bytes", "cublaslt_workspace_bytes", "cublaslt_extra_bytes",
-    "DEFAULT_WORKSPACE_BYTES", "HOPPER_PLUS_WORKSPACE_BYTES", "CUBLASLT_DEFAULT_KIB",
+    "CUBLASLT_DEFAULT_KIB",
+    "DEFAULT_WORKSPACE_BYTES",
+    "GPUS",
+    "HOPPER_PLUS_WORKSPACE_BYTES",
+    "GpuSpec",
+    "cublas_workspace_bytes",
+    "cublaslt_extra_bytes",
+    "cublaslt_workspace_bytes",
+    "resolve_gpu",
 ]
 
 # parseChosenWorkspaceSize: `4096 * 1024 * 2 + 16 * 1024 * 8` = 8,388,608 + 131,072 = 8,519,680

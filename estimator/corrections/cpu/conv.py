@@ -26,10 +26,10 @@ from __future__ import annotations
 import sympy
 import torch
 
-from estimator.capture.tracker import as_expr
 from estimator.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction
 from estimator.errors import SymbolicCaptureFailed
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 

@@ -3,6 +3,6 @@
 
 
 def not_modelled() -> tuple[str, ...]:
-    from estimator.corrections.cuda import attention, kernels, optim, rnn
+    from estimator.corrections.cuda import attention, autocast, kernels, optim, rnn
 
-    return tuple(item for module in (attention, kernels, optim, rnn) for item in getattr(module, "NOT_MODELLED", ()))
+    return tuple(item for module in (attention, autocast, kernels, optim, rnn) for item in getattr(module, "NOT_MODELLED", ()))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from estimator.symbolic import as_expr
 from estimator.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 _NONE = 0  # at::Reduction::None

@@ -1,0 +1,307 @@
+"""The CUDA target's kernel entries (estimator/corrections/cuda/kernels.py, rnn.py) without a GPU:
+exact byte numbers on tiny modules (arithmetic in the comments, derived from the PyTorch sources
+cited in the entries' docstrings), and the CPU target unchanged for the same modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from estimator import corrections, step
+from estimator.capture.trace import StepSpec, capture
+from estimator.categories import Mode, Phase, Target
+from estimator.corrections import NO_FIX, lookup
+from estimator.corrections.cuda import kernels, rnn
+from estimator.target.gpus import resolve_gpu
+from estimator.target.spec import TargetSpec
+
+aten = torch.ops.aten
+CPU = TargetSpec()
+CUDA = TargetSpec(Target.CUDA, resolve_gpu("H100"))
+
+
+def _ops(model, sample, target, mode=Mode.TRAIN, loss=step.default_loss):
+    """[(op name, phase, [allocated bytes], [scratch bytes])] of one concrete capture."""
+    optimizer = step.optimizer_factory("sgd") if mode is Mode.TRAIN else None
+    raw = capture(model, sample, StepSpec(mode, optimizer, loss, target), batch=sample.shape[0], symbolic=False)
+    return [
+        (op.name, op.phase, [raw.storages[k].nbytes(0) for k in op.allocs], [s(0) for s in op.scratch])
+        for op in raw.ops
+    ]
+
+
+def _find(ops, name):
+    return [op for op in ops if op[0] == name]
+
+
+def _forward_backward(ops):
+    return [op for op in ops if op[1] is not Phase.OPTIMIZER]
+
+
+# -- dropout ---------------------------------------------------------------------------------
+def test_training_dropout_is_fused_with_a_bool_mask_on_cuda():
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1)), torch.randn(4, 8)
+    cpu, gpu = _ops(model, x, CPU), _ops(model, x, CUDA)
+    # CPU _dropout_impl: noise = empty_like(input) (4*16*4 = 256 B, saved by mul), out = mul (256 B)
+    assert _find(cpu, "aten.empty_like.default")[0][2] == [256]
+    assert _find(cpu, "aten.mul.Tensor")[0][2] == [256]
+    assert not _find(cpu, "aten.native_dropout.default")
+    # CUDA native_dropout: out (256 B) + bool mask (4*16*1 = 64 B); backward native_dropout_backward
+    assert _find(gpu, "aten.native_dropout.default")[0][2] == [256, 64]
+    assert _find(gpu, "aten.native_dropout_backward.default")[0][2] == [256]
+    assert not _find(gpu, "aten.empty_like.default")
+
+
+@pytest.mark.parametrize("module", [nn.Dropout(0.1, inplace=True), nn.Dropout(0.0), nn.Dropout(1.0),
+                                    nn.Dropout1d(0.1), nn.AlphaDropout(0.1), nn.FeatureAlphaDropout(0.1)])
+def test_unfused_dropouts_are_the_same_on_both_targets(module):
+    # dropout_ (inplace), p = 0 / 1, feature and alpha dropouts: _dropout_impl on every device
+    model, x = nn.Sequential(nn.Linear(8, 16), module), torch.randn(4, 8)
+    cpu, gpu = _ops(model, x, CPU), _ops(model, x, CUDA)
+    assert _forward_backward(cpu) == _forward_backward(gpu)
+    assert not _find(gpu, "aten.native_dropout.default")
+
+
+def test_eval_dropout_is_unchanged():
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1)), torch.randn(4, 8)
+    assert _ops(model, x, CPU, Mode.INFERENCE) == _ops(model, x, CUDA, Mode.INFERENCE)
+
+
+def test_functional_and_torch_dropout_are_substituted():
+    def loss(out, sample):
+        return torch.dropout(F.dropout(out, 0.5, training=True), 0.5, True).mean()
+
+    gpu = _ops(nn.Linear(8, 16), torch.randn(4, 8), CUDA, loss=loss)
+    assert [op[2] for op in _find(gpu, "aten.native_dropout.default")] == [[256, 64], [256, 64]]
+
+
+# -- RMSNorm / LayerNorm ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, out_bytes, dw_bytes", [(torch.float32, 256, 64), (torch.bfloat16, 128, 32)])
+def test_rms_norm_is_one_fused_op_on_cuda(dtype, out_bytes, dw_bytes):
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.RMSNorm(16)).to(dtype), torch.randn(4, 8, dtype=dtype)
+    gpu, cpu = _ops(model, x, CUDA), _ops(model, x, CPU)
+    # _fused_rms_norm_cuda: Y (4*16*itemsize) + rstd (4 rows, fp32 acc type: 16 B)
+    assert _find(gpu, "aten._fused_rms_norm.default")[0][2] == [out_bytes, 16]
+    # backward: dX (like X) + dgamma (16 * itemsize); M = 4 rows: no partial-sum buffers
+    assert _find(gpu, "aten._fused_rms_norm_backward.default")[0][2:] == ([out_bytes, dw_bytes], [])
+    assert not any(op[0].startswith("aten.pow") for op in gpu if op[1] is Phase.FORWARD)
+    # CPU: rms_norm_composite (pow, mean, rsqrt, mul...), no fused op
+    assert not _find(cpu, "aten._fused_rms_norm.default")
+    assert _find(cpu, "aten.pow.Tensor_Scalar")
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")
+def test_rms_norm_with_a_weight_of_another_dtype_stays_composite():
+    norm = nn.RMSNorm(16)  # fp32 weight, bf16 input: rms_norm_symint's composite fallback
+    gpu = _ops(norm, torch.randn(4, 16, dtype=torch.bfloat16), CUDA, loss=lambda o, s: o.float().mean())
+    assert not _find(gpu, "aten._fused_rms_norm.default")
+
+
+def test_layer_norm_statistics_are_fp32_on_cuda_for_bf16():
+    model, x = nn.LayerNorm(16).to(torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+    # out 4*16*2 = 128 B; mean/rstd: 4 rows * 2 B (fake, CPU dtype) -> 4 rows * 4 B on CUDA
+    assert _find(_ops(model, x, CPU), "aten.native_layer_norm.default")[0][2] == [128, 8, 8]
+    assert _find(_ops(model, x, CUDA), "aten.native_layer_norm.default")[0][2] == [128, 16, 16]
+
+
+def test_layer_norm_fp32_is_the_same_on_both_targets():
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)), torch.randn(4, 8)
+    assert _forward_backward(_ops(model, x, CPU)) == _forward_backward(_ops(model, x, CUDA))
+
+
+def _meta_ln_backward(M, N, rms=False):
+    x = torch.empty(M, N, device="meta")
+    w = torch.empty(N, device="meta")
+    if rms:
+        args = (torch.empty(M, N, device="meta"), x, [N], torch.empty(M, 1, device="meta"), w, [True, True])
+        op = aten._fused_rms_norm_backward.default
+    else:
+        stats = torch.empty(M, 1, device="meta")
+        args = (torch.empty(M, N, device="meta"), x, [N], stats, stats, w, w, [True, True, True])
+        op = aten.native_layer_norm_backward.default
+    return lookup(op, args, {}, op(*args), Target.CUDA)
+
+
+def test_layer_norm_backward_partial_sums_above_64k_rows():
+    # M = 65537 > 65536, N = 32: N / 32 = 1 < 132 / 2.  blocks.x = 1, blocks.y = min(32768 / 1,
+    # ceil(65537 / 32) = 2049) = 2049: dgamma_blocks + dbeta_blocks = 2 * 2049 * 32 * 4 = 524544,
+    # + the new dgamma from .sum(0) while the old one is alive: 32 * 4 = 128
+    assert _meta_ln_backward(65537, 32).scratch == (524544 + 128,)
+    # RMSNorm: dgamma only: 2049 * 32 * 4 + 128
+    assert _meta_ln_backward(65537, 32, rms=True).scratch == (262272 + 128,)
+    # M = 2 ** 20: blocks.y = min(32768, 32768) = 32768: 2 * 32768 * 32 * 4 + 128
+    assert _meta_ln_backward(2**20, 32).scratch == (2 * 32768 * 128 + 128,)
+    assert _meta_ln_backward(65536, 32) == NO_FIX  # not > 64 * 1024
+    assert _meta_ln_backward(65537, 2112) == NO_FIX  # 2112 / 32 = 66: not < 66
+
+
+def test_branches_on_the_batch_become_shape_guards():
+    # symbolic batch: M = b rows > 65536 (LayerNorm backward) and n = 10 b <= 3072 (embedding
+    # backward) are comparisons on the batch symbol: the capture's valid range records them
+    spec = StepSpec(Mode.TRAIN, step.optimizer_factory("sgd"), step.default_loss, CUDA)
+    raw = capture(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)), torch.randn(4, 8), spec, 4, symbolic=True)
+    assert raw.guards == ("b <= 65536",) and raw.valid_to == 65536
+    raw = capture(nn.Embedding(100, 16), torch.randint(0, 100, (4, 10)), spec, 4, symbolic=True)
+    assert raw.guards == ("10*b <= 3072",)  # (the ShapeEnv does not turn this one into a range)
+
+
+# -- batch norm: no entry, the CPU-only temporaries vanish ------------------------------------
+def test_batch_norm_on_cuda_has_no_cpu_temporaries():
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), torch.randn(2, 3, 3, 3)
+    cpu, gpu = _ops(model, x, CPU), _ops(model, x, CUDA)
+    # CPU batch_norm_cpu: 2 * C * 4 = 32 B of per-channel temporaries (cpu/norm.py); CUDA: none
+    assert _find(cpu, "aten.native_batch_norm.default")[0][3] == [32]
+    assert _find(gpu, "aten.native_batch_norm.default")[0][3] == []
+    # the outputs are the same: out 2*4*3*3*4 = 288 B, save_mean/invstd C fp32 each
+    assert _find(gpu, "aten.native_batch_norm.default")[0][2] == [288, 16, 16]
+
+
+def test_batch_norm_statistics_are_fp32_on_cuda_for_bf16():
+    model, x = nn.BatchNorm2d(4).to(torch.bfloat16), torch.randn(2, 4, 3, 3, dtype=torch.bfloat16)
+    # out 2*4*3*3*2 = 144 B; save_mean / save_invstd: C = 4 in bf16 (fake) -> fp32 (batch_norm_cuda)
+    assert _find(_ops(model, x, CPU), "aten.native_batch_norm.default")[0][2] == [144, 8, 8]
+    assert _find(_ops(model, x, CUDA), "aten.native_batch_norm.default")[0][2] == [144, 16, 16]
+    # eval: 0-element statistics on both
+    assert _find(_ops(model, x, CUDA, Mode.INFERENCE), "aten.native_batch_norm.default")[0][2] == [144, 0, 0]
+
+
+# -- embedding backward ----------------------------------------------------------------------
+def test_embedding_backward_sorted_path_fused_atomic():
+    # n = 4 * 1024 = 4096 indices (int64, i = 8) > 3072; W = 100, D = 16, fp32: out 6400 B
+    # peak 1: sorted + orig + range 3 * 4096 * 8 = 98304, CUB temp 32768 + 32768 + 255 = 65791,
+    #         - the output (not allocated yet) 6400 -> 157695
+    # S = min(4096, 100) = 100, P = 4096 // 10 + 100 = 509; stride_warped = block = 32,
+    # grid = 100 < 4 * 132 and P > 4 * 100: fused path: partial_to_segment_idx 509 * 8 = 4072
+    # peak 2: 65536 + segment_offsets 32768 + 16 + 2 * 100 * 8 + 509 * 8 + 4072 = 108064
+    gpu = _ops(nn.Embedding(100, 16), torch.randint(0, 100, (4, 1024)), CUDA)
+    assert _find(gpu, "aten.embedding_dense_backward.default")[0][2:] == ([6400], [157695, 108064])
+    cpu = _ops(nn.Embedding(100, 16), torch.randint(0, 100, (4, 1024)), CPU)
+    assert _find(cpu, "aten.embedding_dense_backward.default")[0][2:] == ([6400], [])
+
+
+def test_embedding_backward_two_pass_path():
+    # W = 5000: S = min(4096, 5000) = 4096, grid = 4096 >= 528: two-pass path,
+    # P = 409 + 4096 = 4505, grad_weight_per_segment 4505 * 16 * 4 = 288320
+    # peak 1: 98304 + 65791 - 5000 * 16 * 4 (320000) = -155905
+    # peak 2: 65536 + 32768 + 16 + 2 * 4096 * 8 + 4505 * 8 + 288320 = 488216
+    gpu = _ops(nn.Embedding(5000, 16), torch.randint(0, 5000, (4, 1024)), CUDA)
+    assert _find(gpu, "aten.embedding_dense_backward.default")[0][3] == [-155905, 488216]
+
+
+def test_embedding_backward_fused_path_bf16_accumulates_in_fp32():
+    grad = torch.empty(4096, 16, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(4096, dtype=torch.long, device="meta")
+    args = (grad, idx, 100, -1, False)
+    fix = lookup(aten.embedding_dense_backward.default, args, {}, aten.embedding_dense_backward(*args), Target.CUDA)
+    # out 100 * 16 * 2 = 3200: peak 1 = 98304 + 65791 - 3200; fused path + grad_weight_acc
+    # (W * D * 4 = 6400): 65536 + 32768 + 16 + 1600 + 4072 + 4072 + 6400
+    assert fix.scratch == (160895, 114464)
+
+
+def test_embedding_backward_small_and_scaled():
+    m, x = nn.Embedding(100, 16), torch.randint(0, 100, (4, 10))
+    # n = 40 <= 3072: zeros({W, D}) + one kernel
+    assert _find(_ops(m, x, CUDA), "aten.embedding_dense_backward.default")[0][3] == []
+    # scale_grad_by_freq: the sorted path even for n = 40, plus count (40 * 8 = 320 B)
+    # peak 1: 3 * 320 + (512 + 512 + 255) - 6400 = -4161; S = 40, P = 4 + 40 = 44,
+    # grid = 40 < 528 but P = 44 <= 160: two-pass, 44 * 16 * 4 = 2816
+    # peak 2: 640 + 320 + 320 + 16 + 2 * 40 * 8 + 44 * 8 + 2816 = 5104
+    scaled = nn.Embedding(100, 16, scale_grad_by_freq=True)
+    assert _find(_ops(scaled, x, CUDA), "aten.embedding_dense_backward.default")[0][3] == [-4161, 5104]
+
+
+# -- losses ----------------------------------------------------------------------------------
+LOSSES = [  # op, CPU scratch (measured, loss.py), CUDA scratch, full buffer kept under the scalar
+    (aten.mse_loss.default, 8192 + 12, 8192, True),
+    (aten.smooth_l1_loss.default, 8192 + 12, 8192, True),
+    (aten.binary_cross_entropy.default, 16, 4, True),
+    (aten.soft_margin_loss.default, 16, 4, True),
+    (aten.huber_loss.default, 8192 + 12, 8192, False),
+]
+
+
+@pytest.mark.parametrize("op, cpu_scratch, cuda_scratch, keeps", LOSSES, ids=lambda v: str(v))
+def test_loss_entries_per_target(op, cpu_scratch, cuda_scratch, keeps):
+    # input (32, 64) fp32: N = 8192 B.  CUDA: mean_out is one reduction (no 8 + 4 B wrapped scalar
+    # of the CPU's sum + div_); BCE / soft margin: the one-element reduced tensor (4 B).
+    x, t = torch.rand(32, 64), torch.rand(32, 64)
+    mean, none = {"reduction": 1}, {"reduction": 0}
+    out = op(x, t, **mean)
+    cpu, cuda = lookup(op, (x, t), mean, out, Target.CPU), lookup(op, (x, t), mean, out, Target.CUDA)
+    assert cpu.scratch == (cpu_scratch,) and cuda.scratch == (cuda_scratch,)
+    assert cpu.output_bytes == cuda.output_bytes == ({0: 8188} if keeps else {})
+    assert lookup(op, (x, t), none, op(x, t, **none), Target.CUDA) == NO_FIX  # reduction none
+
+
+def test_cross_entropy_is_the_same_on_both_targets():
+    # log_softmax (host_softmax: the output only) + nll_loss (structured outputs only)
+    model, x = nn.Linear(8, 10), torch.randn(4, 8)
+
+    def loss(out, sample):
+        return F.cross_entropy(out, torch.zeros(4, dtype=torch.long))
+
+    assert _forward_backward(_ops(model, x, CPU, loss=loss)) == _forward_backward(_ops(model, x, CUDA, loss=loss))
+
+
+# -- cuDNN RNN ------------------------------------------------------------------------------
+class _Rnn(nn.Module):
+    def __init__(self, cls, **kw):
+        super().__init__()
+        self.rnn = cls(32, 64, **kw)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_lstm_runs_cudnn_rnn_on_cuda():
+    # LSTM(32, 64), T = 16, B = 4, fp32.  _cudnn_rnn: output 16*4*64*4 = 16384, hy = cy = 4*64*4
+    # = 1024, reserve ESTIMATE 1*1*16*4*4*(4*64 + 64 + 64) = 98304
+    gpu = _ops(_Rnn(nn.LSTM), torch.randn(16, 4, 32), CUDA)
+    assert _find(gpu, "aten._cudnn_rnn.default")[0][2:] == ([16384, 1024, 1024, 98304], [])
+    # backward: dx 8192, dhx 1024, dcx 1024, dw one flat buffer (4*64*32 + 4*64*64 + 2*256)*4 =
+    # 100352; grad_hy/grad_cy undefined -> zeros 1024 + 1024; input phase 2048 - 100352
+    assert _find(gpu, "aten._cudnn_rnn_backward.default")[0][2:] == ([8192, 1024, 1024, 100352], [-98304, 2048])
+    cpu = _ops(_Rnn(nn.LSTM), torch.randn(16, 4, 32), CPU)
+    assert _find(cpu, "aten.mkldnn_rnn_layer.default") and not _find(cpu, "aten._cudnn_rnn.default")
+
+
+def test_gru_batch_first_copies_the_input():
+    # GRU(32, 64, batch_first), x (4, 16, 32): output 16384, hy 1024, cy empty, reserve ESTIMATE
+    # 16*4*4*(3*64 + 64 + 64) = 81920; x.transpose(0, 1).contiguous() 4*16*32*4 = 8192 in the op
+    gpu = _ops(_Rnn(nn.GRU, batch_first=True), torch.randn(4, 16, 32), CUDA)
+    assert _find(gpu, "aten._cudnn_rnn.default")[0][2:] == ([16384, 1024, 0, 81920], [8192])
+    # backward: dx 8192, dhx 1024, dw (3*64*32 + 3*64*64 + 2*192)*4 = 75264; zeros(hy) 1024,
+    # x copy 8192, dy copy 16384: input phase 1024 + 8192 + 16384 - 75264, weight phase 1024 + 8192
+    assert _find(gpu, "aten._cudnn_rnn_backward.default")[0][2:] == ([8192, 1024, 75264], [-49664, 9216])
+
+
+def test_lstm_without_bias_copies_the_weight_gradients():
+    # 2 layers, bidirectional, no bias: the gradients are fresh tensors (stride 2 != 4), dw is
+    # scratch with cuDNN's zero bias slots: params 2*(4*64*32 + 4*64*64)*4 + 2*(4*64*128 +
+    # 4*64*64)*4 = 589824 B, + 2*2*2*4*64 = 2048 bias elements * 4 = 8192 -> 598016
+    # zeros(hx) + zeros(cx) = 2 * 4*4*64*4 = 8192; reserve 2*2*16*4*4*384 = 393216
+    gpu = _ops(_Rnn(nn.LSTM, bias=False, num_layers=2, bidirectional=True), torch.randn(16, 4, 32), CUDA)
+    assert _find(gpu, "aten._cudnn_rnn.default")[0][2] == [32768, 4096, 4096, 393216]
+    assert _find(gpu, "aten._cudnn_rnn_backward.default")[0][3] == [8192 - 589824, 8192 + 598016]
+
+
+def test_rnn_inference_has_no_reserve():
+    gpu = _ops(_Rnn(nn.LSTM), torch.randn(16, 4, 32), CUDA, Mode.INFERENCE)
+    assert _find(gpu, "aten._cudnn_rnn.default")[0][2] == [16384, 1024, 1024, 0]
+
+
+def test_cpu_target_has_none_of_the_cuda_entries():
+    cuda_only = {
+        aten.embedding_dense_backward.default, aten.native_layer_norm.default, aten._cudnn_rnn.default,
+        aten._cudnn_rnn_backward.default, aten._fused_rms_norm_backward.default,
+        aten.native_layer_norm_backward.default,
+    }
+    assert not cuda_only & set(corrections.registered(Target.CPU))
+    assert cuda_only <= set(corrections.registered(Target.CUDA))
+    # native_batch_norm has an entry per target: the CPU temporaries, the CUDA statistics dtype
+    bn = aten.native_batch_norm.default
+    assert corrections.registered(Target.CPU)[bn] is not corrections.registered(Target.CUDA)[bn]
+    assert not {F.dropout, torch.dropout, F.rms_norm, torch._VF.lstm} & set(corrections.substitutes(Target.CPU))
+    assert all(isinstance(s, str) and s for s in kernels.NOT_MODELLED + rnn.NOT_MODELLED)

@@ -1,0 +1,57 @@
+"""The generated model pages (docs/models, ``python -m validators.pages``) are up to date.
+
+Regenerating every model's ``debug`` section (Markdown only, no plots: about 20 s) must give
+the committed pages and index byte for byte; the real sizes' sections take minutes and are
+kept as committed (they are rebuilt by ``python -m validators.pages``).  A failure means the
+estimator's numbers or the page layout changed: run ``python -m validators.pages`` (or
+``--sizes debug`` when only the debug sections changed) and commit docs/models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import models_zoo
+from validators import pages
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "models"
+STALE = "docs/models is stale: run `python -m validators.pages` and commit the result"
+
+
+@pytest.fixture(scope="module")
+def regenerated():
+    return pages.generate(sizes=["debug"], out=DOCS, plots=False)
+
+
+def test_every_model_and_size_has_a_committed_page():
+    for name in models_zoo.names():
+        page = DOCS / f"{name}.md"
+        assert page.exists(), STALE
+        sections = pages.parse_sections(page.read_text())
+        assert list(sections) == models_zoo.sizes(name), STALE
+        for size in models_zoo.sizes(name):
+            for png in pages.png_names(name, size):
+                assert (DOCS / png).exists(), f"{png} missing: {STALE}"
+
+
+def test_debug_sections_and_index_are_up_to_date(regenerated):
+    assert set(regenerated) == {DOCS / f"{name}.md" for name in models_zoo.names()} | {DOCS / "index.md"}
+    for path, text in regenerated.items():
+        assert path.read_text() == text, f"{path.name}: {STALE}"
+
+
+def test_sections_round_trip():
+    text = (DOCS / "mlp.md").read_text()
+    sections = {size: body for size, (_, body) in pages.parse_sections(text).items()}
+    assert pages.render_page("mlp", sections) == text
+    info = pages.parse_sections(text)["debug"][0]
+    assert info["size"] == "debug" and info["batch"] == pages.BATCH and info["peak_bytes"] > 0
+
+
+def test_select_sizes():
+    assert pages.select_sizes("resnet", None) == ["debug", "resnet18", "resnet50"]
+    assert pages.select_sizes("resnet", ["real"]) == ["resnet18", "resnet50"]
+    assert pages.select_sizes("resnet", ["debug", "resnet50"]) == ["debug", "resnet50"]
+    assert pages.select_sizes("resnet", ["7b"]) == []
