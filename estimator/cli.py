@@ -48,6 +48,9 @@ class Options:
     dtype: str | None
     device: str
     gpu: str | None
+    amp: str | None
+    seq: tuple[str, ...]
+    alloc_conf: str | None
     device_init: str
     quiet: bool
 
@@ -69,6 +72,14 @@ def model_options(func):
         click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16")), help="parameter dtype (default: as built)."),
         click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="target device."),
         click.option("--gpu", metavar="GPU", help="CUDA GPU to predict for: H100, A100-40GB, sm_90, 80GiB (--device cuda)."),
+        click.option("--amp", type=click.Choice(("fp16", "bf16")), help="mixed precision: autocast (+ GradScaler for fp16)."),
+        click.option(
+            "--seq", multiple=True, metavar="KEY:DIM",
+            help="make a sample dim the sequence length s (formulas in b and s): input_ids:1 for a dict "
+                 "sample, 0:1 for a tuple, 1 for a single tensor; repeat for several tensors.",
+        ),
+        click.option("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to model (--device cuda; "
+                     "default: the environment's)."),
         click.option(
             "--device-init", type=click.Choice(("meta", "cpu")), default="meta", show_default=True,
             help="where zoo and integration models are built (meta allocates nothing).",
@@ -84,8 +95,10 @@ def _options(kwargs) -> Options:
     opts = Options(**{k: kwargs.pop(k) for k in list(Options.__dataclass_fields__)})
     from estimator.errors import InputError
 
-    if opts.gpu is not None and opts.device != "cuda":
-        raise InputError(f"--gpu {opts.gpu} needs --device cuda (it describes the CUDA target), got --device {opts.device}")
+    for flag, value in (("--gpu", opts.gpu), ("--alloc-conf", opts.alloc_conf)):
+        if value is not None and opts.device != "cuda":
+            raise InputError(f"{flag} {value} needs --device cuda (it describes the CUDA target), "
+                             f"got --device {opts.device}")
     if opts.optimizer is not None and opts.mode != "train":
         raise InputError(f"--optimizer applies to --mode train only, got --mode {opts.mode}")
     return opts
@@ -107,7 +120,6 @@ def _estimate(opts: Options):
     batch = opts.batch or built.batch
     _status(opts, f"capturing {built.label}, {opts.mode}" + (f", b={batch}" if batch else "") + " ...")
     optimizer = "adamw" if opts.optimizer is None else opts.optimizer
-    kwargs = {"gpu": opts.gpu} if opts.gpu is not None else {}  # only when asked: report(gpu=) is new
     rep = estimator.report(
         built.model,
         built.sample,
@@ -116,10 +128,34 @@ def _estimate(opts: Options):
         optimizer=None if optimizer.lower() == "none" else optimizer,
         loss_fn=built.loss_fn,
         device=opts.device,
-        **kwargs,
+        gpu=opts.gpu,
+        alloc_conf=opts.alloc_conf,
+        amp=opts.amp,
+        dynamic=_dynamic(opts.seq),
     )
     _status(opts, f"done in {time.perf_counter() - start:.1f} s")
     return rep
+
+
+def _dynamic(specs: tuple[str, ...]) -> dict | None:
+    """``--seq input_ids:1 --seq labels:1`` -> ``report(dynamic=)``; ``--seq 1`` for a tensor sample."""
+    from estimator.errors import InputError
+
+    if not specs:
+        return None
+    dynamic: dict = {}
+    for spec in specs:
+        key, _, dim = spec.rpartition(":")
+        if not dim.isdigit():
+            raise InputError(f"--seq {spec!r}: expected KEY:DIM (input_ids:1), POSITION:DIM (0:1) or DIM (1)")
+        if not key:
+            dynamic[int(dim)] = "s"
+            continue
+        dynamic.setdefault(int(key) if key.isdigit() else key, {})[int(dim)] = "s"
+    single = {k for k, v in dynamic.items() if v == "s"}
+    if single and len(single) != len(dynamic):
+        raise InputError("--seq: give either DIM alone (a single-tensor sample) or KEY:DIM forms, not both")
+    return dynamic
 
 
 def _quiet_torch_import() -> None:
@@ -200,6 +236,7 @@ def report(budget, as_json, **kwargs):
       fxmem report resnet --size resnet50 --batch 64 --mode inference
       fxmem report llama --size 7b --batch 1 --dtype bf16 --budget 80GiB
       fxmem report gpt --batch 8 --device cuda --gpu H100
+      fxmem report gpt --batch 8 --amp bf16 --seq input_ids:1
       fxmem report path/to/model.py:make --json | jq .peak_bytes
     """
     opts = _options(kwargs)
@@ -255,27 +292,34 @@ def fit(budget, as_json, **kwargs):
       fxmem fit gpt --size gpt2-small --budget 80GiB
       fxmem fit llama --size 7b --dtype bf16 --budget 80GiB --json
       fxmem fit resnet --size resnet50 --mode inference --budget 16GB
+      fxmem fit gpt --size gpt2-small --seq input_ids:1 --budget 24GiB   # also the longest s
     """
     opts = _options(kwargs)
     limit = _budget(budget)
     rep = _estimate(opts)
     best = rep.max_batch(limit)
     peak = rep.at(best) if best else None
+    max_seq = rep.max_seq(limit) if rep.seq is not None else None  # at the report's batch
     from estimator.units import format_bytes
 
     if as_json:
         click.echo(json.dumps({
             "model": rep.model, "mode": rep.mode.value, "device": rep.device, "optimizer": rep.optimizer,
             "budget_bytes": limit, "max_batch": best, "peak_bytes": peak, "peak": str(rep.peak),
-            "valid_from": rep.valid_from, "valid_to": rep.valid_to, "notes": list(rep.notes),
+            "valid_from": rep.valid_from, "valid_to": rep.valid_to, "seq": rep.seq,
+            "max_seq": None if max_seq is None else {"batch": rep.batch, "max_seq": max_seq},
+            "notes": list(rep.notes),
         }, indent=2))
     elif best:
-        click.echo(f"largest batch that fits in {budget}: {best} (peak {format_bytes(peak)} = {peak:,} B)"
+        at_seq = f" at s = {rep.seq}" if rep.seq is not None else ""
+        click.echo(f"largest batch that fits in {budget}{at_seq}: {best} (peak {format_bytes(peak)} = {peak:,} B)"
                    f"{_range_note(rep, best)}")
     else:
         smallest = rep.at(rep.valid_from)
         click.echo(f"nothing fits in {budget}: the peak at b = {rep.valid_from} is already "
                    f"{format_bytes(smallest)} ({smallest:,} B)")
+    if max_seq is not None and not as_json:
+        click.echo(f"longest sequence that fits in {budget} at b = {rep.batch}: {max_seq}")
 
 
 def _range_note(rep, best: int | None) -> str:

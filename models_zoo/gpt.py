@@ -115,6 +115,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         T = input_ids.size(1)
+        assert T <= self.cfg.block_size, f"sequence of {T} tokens, the context is {self.cfg.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=input_ids.device)  # (T,)
         x = self.transformer.wte(input_ids) + self.transformer.wpe(pos)  # (B, T, C)
         x = self.transformer.drop(x)

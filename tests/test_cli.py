@@ -7,7 +7,6 @@ that need no subprocess (the model-spec errors, each command's --help) run in-pr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -272,7 +271,41 @@ def test_gpu_target():
     assert json.loads(result.stdout)["device"] == "cuda"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("estimator.integrations") is None, reason="no estimator.integrations")
+    data = json.loads(result.stdout)
+    assert data["cuda"]["max_memory_reserved"] >= data["cuda"]["max_memory_allocated"] == data["peak_bytes"]
+
+
+def test_seq_makes_fit_give_the_longest_sequence():
+    import models_zoo
+
+    model, make_sample, loss_fn = models_zoo.get("gpt", "debug", device="meta")
+    rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn, dynamic={"input_ids": {1: "s"}})
+    result = CliRunner().invoke(cli, ["fit", "gpt", "--seq", "input_ids:1", "--budget", "2MiB", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["seq"] == 32 and data["max_seq"] == {"batch": 8, "max_seq": rep.max_seq("2MiB")}
+    text = CliRunner().invoke(cli, ["formula", "gpt", "--seq", "input_ids:1", "-q"]).stdout
+    assert "s" in text and text.strip() == str(rep.peak)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq", "input_ids:x"], "expected KEY:DIM"),
+    (["--seq", "ids:1"], "does not have"),
+    (["--alloc-conf", "max_split_size_mb:128"], "needs --device cuda"),
+    (["--device", "cuda", "--alloc-conf", "expandable_segments:True"], "expandable_segments"),
+])
+def test_bad_target_and_seq_flags(args, message):
+    result = CliRunner().invoke(cli, ["report", "gpt", *args, "-q"])
+    assert result.exit_code == 2 and message in result.stderr
+
+
+def test_amp_flag():
+    result = CliRunner().invoke(cli, ["report", "mlp", "--amp", "bf16", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    fp32 = CliRunner().invoke(cli, ["report", "mlp", "--json", "-q"])
+    assert json.loads(result.stdout)["peak_bytes"] != json.loads(fp32.stdout)["peak_bytes"]
+
+
 @uses("integration-bad-name")
 def test_integration_is_delegated(runs):
     err = failed(runs, "integration-bad-name", 2)

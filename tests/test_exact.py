@@ -408,3 +408,24 @@ def test_pieces_nondominated(any_report):
     for p in polys:
         assert any(p(b) == max(q(b) for q in polys) for b in batches), f"{p} is never the peak"
     assert rep.peak_piece.bytes in polys
+
+
+class Unused(nn.Module):
+    """A head the loss never reaches (like BERT's pooler under an MLM loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_parameters_without_gradients_get_no_optimizer_state():
+    # AdamW creates state only for p.grad is not None: 2 * (64 + 4) floats for `used`,
+    # none for `unused` (16*64 + 64 = 1,088 floats, 8,704 B of exp_avg + exp_avg_sq saved).
+    b = 4
+    rep = estimator.report(Unused(), linear_x(b), optimizer="adamw")
+    assert rep.breakdown[Category.OPTIMIZER_STATE] == 2 * 68 * 4 + 2 * 4  # + two 4-B step counters
+    assert rep.peak_bytes == measure_cpu(Unused(), linear_x(b), optimizer="adamw").peak_bytes

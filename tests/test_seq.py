@@ -28,7 +28,7 @@ def _direct(gpt, b: int, s: int, **kwargs) -> estimator.Report:
 
 def test_the_formula_in_b_and_s_matches_captures_at_other_lengths(gpt):
     rep = gpt[3]
-    assert rep.seq == 32 and rep.seq_range == (3, None)
+    assert rep.seq == 32 and rep.seq_range == (3, 32)  # the model asserts T <= block_size (32): a guard
     assert {str(sym) for sym in rep.peak.free_symbols} == {"b", "s"}
     assert rep.at(4) == rep.peak_bytes == _direct(gpt, 4, 32).peak_bytes
     for b, s in [(2, 8), (3, 16), (6, 24)]:
@@ -46,13 +46,15 @@ def test_attention_scores_make_it_quadratic_in_s(gpt):
 
 def test_max_seq_and_max_batch_at_a_length_invert_the_formula(gpt):
     rep = gpt[3]
-    budget = 3 * 2**20
-    n = rep.max_seq(budget, b=2)
-    assert rep.at(2, n) <= budget < rep.at(2, n + 1)
+    budget = rep.at(2, 20)
+    assert rep.max_seq(budget, b=2) == 20  # at(2, s) grows with s
+    assert rep.max_seq(10 * budget, b=2) == 32  # capped by the guard T <= 32
     m = rep.max_batch(budget, s=16)
     assert rep.at(m, 16) <= budget < rep.at(m + 1, 16)
     assert rep.max_seq(1) == 0
-    assert rep.fits(budget, b=2, s=n) and not rep.fits(budget, b=2, s=n + 1)
+    assert rep.fits(budget, b=2, s=20) and not rep.fits(budget, b=2, s=21)
+    with pytest.raises(InputError, match="s <= 32"):
+        rep.at(2, 64)
 
 
 def test_json_and_markdown_carry_both_symbols(gpt):
@@ -61,7 +63,7 @@ def test_json_and_markdown_carry_both_symbols(gpt):
     assert data["seq"] == 32 and data["symbols"] == ["b", "s"]
     acts = data["breakdown_coefficients"][estimator.Category.ACTIVATION.value]
     assert [1, 2, 96] in acts["b_s"]  # 96 * b**1 * s**2
-    assert "peak(b, s)" in rep.to_markdown() and "3 ≤ s ≤ ∞" in rep.to_markdown()
+    assert "peak(b, s)" in rep.to_markdown() and "3 ≤ s ≤ 32" in rep.to_markdown()
 
 
 def test_cuda_target_replays_at_another_length():

@@ -92,6 +92,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
             )
         tracker.flush()
         _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
+        _drop_state_without_grad(tracker, optimizer)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
 
@@ -281,14 +282,32 @@ def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: 
             if forward and storage.category is Category.TEMPORARY:
                 storage.category = Category.ACTIVATION
     elif phase_ended is Phase.BACKWARD:
+        tracker.params_with_grad = set()
         for p in model.parameters():
             if p.grad is not None:
+                tracker.params_with_grad.add(id(p))
                 _relabel(tracker, p.grad, Category.GRADIENT)
     if optimizer is not None:
         for state in optimizer.state.values():
             for t in tree_flatten(state)[0]:
                 if isinstance(t, torch.Tensor):
                     _relabel(tracker, t, Category.OPTIMIZER_STATE)
+
+
+def _drop_state_without_grad(tracker: Tracker, optimizer) -> None:
+    """The warm-up gave every trainable parameter a (zero) gradient, so each has optimizer
+    state; a real run creates none for a parameter that no loss reaches (``_init_group`` skips
+    ``p.grad is None``: an unused pooler, a frozen branch).  Such state is not counted."""
+    if optimizer is None or tracker.params_with_grad is None:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in tracker.params_with_grad:
+                continue
+            for value in optimizer.state.get(p, {}).values():
+                key = tracker.key_of(value) if isinstance(value, torch.Tensor) else None
+                if key is not None and tracker.storages[key].op < 0:
+                    del tracker.storages[key]
 
 
 def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:

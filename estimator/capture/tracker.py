@@ -70,6 +70,7 @@ class Tracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._module_of_seq: dict[int, str] = {}  # autograd sequence nr -> module (for backward)
         self.recorder = GraphRecorder()
+        self.params_with_grad: set[int] | None = None  # ids of the parameters backward gave a grad
 
     # -- state alive before the step -------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor], category: Category) -> None:

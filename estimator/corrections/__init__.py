@@ -7,7 +7,7 @@ Importing this package registers every entry.
 
 from estimator.corrections.cpu import conv, loss, norm, rnn  # noqa: F401  (registers the entries)
 from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401
-from estimator.corrections.cuda import rnn as cuda_rnn
+from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
