@@ -429,3 +429,26 @@ def test_parameters_without_gradients_get_no_optimizer_state():
     rep = estimator.report(Unused(), linear_x(b), optimizer="adamw")
     assert rep.breakdown[Category.OPTIMIZER_STATE] == 2 * 68 * 4 + 2 * 4  # + two 4-B step counters
     assert rep.peak_bytes == measure_cpu(Unused(), linear_x(b), optimizer="adamw").peak_bytes
+
+
+class Padded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.pad(self.l(x), (0, 3), value=1.0)
+
+
+def test_constant_pad_keeps_the_batch_symbolic():
+    # The fake constant_pad_nd would fix b (Eq(b, 4)); corrections/shapes.py keeps it a symbol.
+    # Inference: params 16*16*4 + 16*4 = 1088 B; input 64 B, linear output 64 B and padded
+    # output 19*4 = 76 B per row: 204*b + 1088.
+    rep = estimator.report(Padded(), linear_x(4), mode="inference")
+    assert rep.path is estimator.CapturePath.SYMBOLIC
+    assert rep.peak.expand() == 204 * estimator.B + 1088
+    for b in (4, 9):
+        assert rep.at(b) == measure_cpu(Padded(), linear_x(b), mode="inference").peak_bytes
+    train = estimator.report(Padded(), linear_x(4), optimizer="sgd")
+    assert train.path is estimator.CapturePath.SYMBOLIC
+    assert train.peak_bytes == measure_cpu(Padded(), linear_x(4), optimizer="sgd").peak_bytes

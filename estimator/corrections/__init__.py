@@ -1,11 +1,13 @@
 """Per-op knowledge by target, one registry (``registry.py``); the entries live by target and
 op family: ``cpu/`` (oneDNN convolution and RNN, CPU batch norm, losses), ``cuda/`` (attention
-backends, fused kernels, cuDNN RNN, autocast lists, optimizer defaults).
+backends, fused kernels, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py`` (fake
+kernels that would fix a symbolic size, for every target).
 
 Importing this package registers every entry.
 """
 
-from estimator.corrections.cpu import conv, loss, norm, rnn  # noqa: F401  (registers the entries)
+from estimator.corrections import shapes  # noqa: F401  (registers the entries)
+from estimator.corrections.cpu import conv, loss, norm, rnn  # noqa: F401
 from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401
 from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (
@@ -14,6 +16,8 @@ from estimator.corrections.registry import (
     apply_optimizer_rules,
     bind,
     correction,
+    fake_kernel,
+    fake_kernel_for,
     has_substitutes,
     host_state,
     lookup,
@@ -26,6 +30,6 @@ from estimator.corrections.registry import (
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "has_substitutes", "host_state", "lookup",
+    "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state", "lookup",
     "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
 ]

@@ -10,7 +10,10 @@ differently lives here, in one registry, with three kinds of entries:
 - ``@optimizer_rule(targets=...)``: what a target changes in a built optimizer (CUDA: the
   foreach implementation by default);
 - ``@host_state(targets=...)``: optimizer state the target keeps in host memory (CUDA: the
-  ``step`` counters of non-capturable, non-fused optimizers), not counted on the device.
+  ``step`` counters of non-capturable, non-fused optimizers), not counted on the device;
+- ``@fake_kernel(op, targets=...)``: run instead of an op's fake kernel where that kernel
+  specializes a symbolic size that the real kernel does not depend on (same outputs, same
+  allocations; the tracker records the op as one).
 
 A second registration of the same (target, op) raises.  Each entry cites where its number
 comes from (a PyTorch source file and/or a measurement command).  A correction function
@@ -61,6 +64,7 @@ _OPTIMIZER_RULES: dict[Target, list[OptimizerRule]] = {}
 # rule(optimizer, group, key, value) -> True when that state tensor lives in host memory.
 HostRule = Callable[[torch.optim.Optimizer, dict, str, torch.Tensor], bool]
 _HOST_RULES: dict[Target, list[HostRule]] = {}
+_FAKE_KERNELS: dict[tuple[Target, Any], Callable[..., Any]] = {}
 
 
 def _targets(targets: Iterable[Target]) -> tuple[Target, ...]:
@@ -126,6 +130,25 @@ def host_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
 
 def on_host(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str, value: torch.Tensor) -> bool:
     return any(rule(optimizer, group, key, value) for rule in _HOST_RULES.get(target, ()))
+
+
+def fake_kernel(*ops, targets: Iterable[Target]) -> Callable:
+    """Register ``kernel(*args, **kwargs)`` to compute ``ops`` on fake tensors instead of their
+    fake kernels (a symbolic-friendly equivalent: same outputs, same allocations)."""
+
+    def register(kernel):
+        for target in _targets(targets):
+            for op in ops:
+                if (target, op) in _FAKE_KERNELS:
+                    raise ValueError(f"a {target.value} fake kernel for {op} is already registered")
+                _FAKE_KERNELS[target, op] = kernel
+        return kernel
+
+    return register
+
+
+def fake_kernel_for(target: Target, func) -> Callable[..., Any] | None:
+    return _FAKE_KERNELS.get((target, func))
 
 
 def substitution(target: Target, func) -> SubstituteFn | None:
