@@ -69,7 +69,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     fmodel = fake_model(model, mode)
     fsample = fake_sample(sample, mode, batch, symbolic, seq_dims if symbolic else None)
     batch_symbols = _batch_symbols(fsample)
-    tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target.device)
+    tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
     substitutions = (
         Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) else contextlib.nullcontext()
     )

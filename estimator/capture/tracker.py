@@ -19,8 +19,9 @@ from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
 from estimator.capture.graph import GraphRecorder
-from estimator.categories import Category, Phase, Target
+from estimator.categories import Category, Phase
 from estimator.symbolic import as_expr
+from estimator.target.spec import TargetSpec
 
 # Ops that bookkeep rather than compute: never an allocation.
 _SKIP = {
@@ -56,9 +57,10 @@ def _storage_id(storage: torch.UntypedStorage) -> int:
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
 
-    def __init__(self, module_names: dict[int, str], target: Target = Target.CPU):
+    def __init__(self, module_names: dict[int, str], spec: TargetSpec | None = None):
         super().__init__()
-        self.target = target
+        self.spec = spec or TargetSpec()
+        self.target = self.spec.device
         self.storages: dict[int, Storage] = {}
         self.ops: list[OpEvent] = []
         self.phase = Phase.FORWARD
@@ -136,7 +138,7 @@ class Tracker(TorchDispatchMode):
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # The autograd node of this op was created just before dispatch.
             self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
-        fix = corrections.lookup(func, args, kwargs, out, self.target)
+        fix = corrections.lookup(func, args, kwargs, out, self.spec)
         if fix.outputs is not None:
             out = fix.outputs
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)

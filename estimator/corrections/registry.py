@@ -28,6 +28,9 @@ a ``Fix``:
 - ``outputs``: replacement outputs, for a fake kernel whose outputs alias where the real
   kernel's do not (the aliasing changes what autograd copies); None keeps them.
 
+A correction that depends on the GPU (SM count, architecture) takes a fourth parameter
+``spec``: the capture's ``TargetSpec``.
+
 Values are ints or sympy expressions: convert shapes with ``estimator.capture.tracker.as_expr``
 and compute with sympy, never with SymInts (the arithmetic would be traced, and a Python
 comparison would add a shape guard).
@@ -177,9 +180,26 @@ def bind(func, args, kwargs) -> dict[str, Any]:
     return bound
 
 
-def lookup(func, args, kwargs, out, target: Target = Target.CPU) -> Fix:
+def _spec(target):
+    """``(Target, TargetSpec)`` from either (a bare CUDA target means the default GPU)."""
+    from estimator.target.spec import TargetSpec, target_spec
+
+    if isinstance(target, TargetSpec):
+        return target.device, target
+    target = Target(target)
+    return target, (target_spec(target.value)[0] if target is Target.CUDA else TargetSpec())
+
+
+def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
+    """The ``Fix`` of ``func`` on ``target`` (a ``Target``, or the capture's ``TargetSpec``)."""
+    target, spec = _spec(target)
     fn = _REGISTRY.get((target, func))
-    fix = NO_FIX if fn is None else fn(args, kwargs, out)
+    if fn is None:
+        fix = NO_FIX
+    elif fn.__code__.co_argcount == 4:  # (args, kwargs, out, spec): depends on the GPU
+        fix = fn(args, kwargs, out, spec)
+    else:
+        fix = fn(args, kwargs, out)
     # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such): no device memory.
     wrapped = _wrapped_scalar_bytes(func, args, out) if target is Target.CPU else 0
     if wrapped:

@@ -75,12 +75,26 @@ class GpuSpec:
     aliases: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
+    def sm_count(self) -> int | None:
+        """``cudaDeviceProp.multiProcessorCount`` from NVIDIA's specifications (None: unknown)."""
+        return SM_COUNTS.get(self.name)
+
+    @property
     def arch(self) -> str | None:
         """``"sm_90"`` style string, ``None`` when the compute capability is unknown."""
         if self.major is None or self.minor is None:
             return None
         return f"sm_{self.major}{self.minor}"
 
+
+# multiProcessorCount by GPU, from NVIDIA's published specifications (not measured here): the
+# kernels' split heuristics (flash split-KV, norm-backward partial sums, embedding backward).
+SM_COUNTS = {
+    "NVIDIA H200": 132, "NVIDIA H100 80GB HBM3": 132, "NVIDIA H100 PCIe": 114,
+    "NVIDIA A100-SXM4-40GB": 108, "NVIDIA A100-SXM4-80GB": 108, "NVIDIA A10": 72, "NVIDIA A10G": 80,
+    "NVIDIA L4": 58, "NVIDIA L40S": 142, "Tesla T4": 40, "Tesla V100-SXM2-16GB": 80,
+    "Tesla V100-SXM2-32GB": 80, "NVIDIA GeForce RTX 4090": 128, "NVIDIA GeForce RTX 3090": 82,
+}
 
 GPUS: tuple[GpuSpec, ...] = (
     # torch repr `_CudaDeviceProperties(name='NVIDIA H200', ..., total_memory=143156MB)`:

@@ -109,17 +109,6 @@ ASSUMED_CUDA_VERSION = 13000  # CUDA_VERSION of the wheel (check_prefer_cudnn_at
 # kCuDNNFrontendSupportsD256: CUDNN_FRONTEND_VERSION >= 12400 for the bundled cudnn_frontend.
 CUDNN_FRONTEND_SUPPORTS_D256 = True
 
-# cudaDeviceProp.multiProcessorCount, from NVIDIA's published specifications (not measured here),
-# for the flash split-KV heuristic and the deterministic flash backward.  GPUs not listed: one
-# split (NOT_MODELLED).
-SM_COUNTS = {
-    "NVIDIA H200": 132, "NVIDIA H100 80GB HBM3": 132, "NVIDIA H100 PCIe": 114,
-    "NVIDIA A100-SXM4-40GB": 108, "NVIDIA A100-SXM4-80GB": 108, "NVIDIA A10": 72, "NVIDIA A10G": 80,
-    "NVIDIA L4": 58, "NVIDIA L40S": 142, "Tesla T4": 40, "Tesla V100-SXM2-16GB": 80,
-    "Tesla V100-SXM2-32GB": 80, "NVIDIA GeForce RTX 4090": 128, "NVIDIA GeForce RTX 3090": 82,
-}
-_DEFAULT_CAPABILITY = (9, 0)  # used by the corrections when the op was not reached via the substitute
-_DEFAULT_SMS = 132
 
 
 class Backend(enum.IntEnum):
@@ -137,23 +126,6 @@ class Backend(enum.IntEnum):
 _DEFAULT_ORDER = (1, 2, 0, 3, 4)
 _CUDNN_ORDER = (Backend.CUDNN, Backend.FLASH, Backend.EFFICIENT, Backend.MATH)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-# -- the GPU the last substitute ran for (the corrections receive no spec) ---------------------
-_active: dict[str, Any] = {"capability": None, "sms": None}
-
-
-def _remember(spec) -> None:
-    _active["capability"] = spec.capability
-    _active["sms"] = SM_COUNTS.get(spec.gpu.name) if spec.gpu is not None else None
-
-
-def _capability() -> tuple[int, int]:
-    return _active["capability"] or _DEFAULT_CAPABILITY
-
-
-def _sms() -> int | None:
-    return _active["sms"] if _active["capability"] is not None else _DEFAULT_SMS
 
 
 # -- sizes: static ints where they are, hints (no guards) where they are symbolic ---------------
@@ -689,7 +661,6 @@ def scaled_dot_product_attention(spec, func, args, kwargs):
         return NotImplemented
     if not (q.dtype == k.dtype == v.dtype) or q.dim() < 2:
         return NotImplemented  # validate_sdpa_input: let torch raise its own error
-    _remember(spec)
     dropout_p, is_causal, scale, gqa = float(a["dropout_p"]), bool(a["is_causal"]), a["scale"], bool(a["enable_gqa"])
     requires_grad = _should_compute_logsumexp(q, k, v)
     backend = select_backend(spec, q, k, v, mask, dropout_p, is_causal, gqa, requires_grad)
@@ -813,7 +784,7 @@ def flash_split_kv(batch, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int
 
 
 @correction(aten._scaled_dot_product_flash_attention.default, targets=Target.CUDA)
-def flash_forward(args, kwargs, out) -> Fix:
+def flash_forward(args, kwargs, out, spec) -> Fix:
     """``_scaled_dot_product_flash_attention_cuda`` -> ``_flash_attention_forward`` -> ``mha_fwd``
     (flash_api.cpp).  Outputs as the meta kernel: ``out`` like q, ``softmax_lse`` fp32 (B, H, L),
     ``rng_state`` {2} uint64 (16 B) and ``_unused`` {} uint64 (8 B) both on CUDA -- the meta's
@@ -833,7 +804,7 @@ def flash_forward(args, kwargs, out) -> Fix:
     B = q.shape[0]
     H, L, d = (_static_int(x, "flash attention sizes") for x in (q.shape[1], q.shape[2], q.shape[3]))
     Hk, S = (_static_int(x, "flash attention sizes") for x in (k.shape[1], k.shape[2]))
-    splits, L2, H2 = flash_split_kv(B, H, Hk, L, S, d, dropout_p, _sms())
+    splits, L2, H2 = flash_split_kv(B, H, Hk, L, S, d, dropout_p, spec.gpu.sm_count)
     if splits <= 1:
         return Fix()
     d_rounded = _round_up(d, 32 if d <= 128 else 64)
@@ -847,7 +818,7 @@ def _bmhk_copy_bytes(t: torch.Tensor):
 
 
 @correction(aten._scaled_dot_product_flash_attention_backward.default, targets=Target.CUDA)
-def flash_backward(args, kwargs, out) -> Fix:
+def flash_backward(args, kwargs, out, spec) -> Fix:
     """``_scaled_dot_product_flash_attention_backward_cuda`` -> ``_flash_attention_backward``
     (attention_backward.cu) -> ``mha_bwd`` (flash_api.cpp).  dq/dk/dv are the meta's outputs.
     Alive together while the kernel runs:
@@ -868,7 +839,7 @@ def flash_backward(args, kwargs, out) -> Fix:
     L128 = _round_up(L, 128)
     dq_accum = B * L128 * H * d_rounded * 4
     if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
-        sms = _sms()
+        sms = spec.gpu.sm_count
         if sms is None or _min_value(q.shape[0]) * H >= sms:
             nsplits = 1
         elif isinstance(B, int):
@@ -969,7 +940,7 @@ def efficient_backward_workspace(dtype, cc: int, B, H: int, M: int, N: int, K: i
 
 
 @correction(aten._scaled_dot_product_efficient_attention_backward.default, targets=Target.CUDA)
-def efficient_backward(args, kwargs, out) -> Fix:
+def efficient_backward(args, kwargs, out, spec) -> Fix:
     """``_scaled_dot_product_efficient_attention_backward_cuda`` -> ``_efficient_attention_backward``
     (attention_backward.cu).  grad_q/k/v are allocated BMHK (``at::empty(query.sizes())`` of the
     transposed inputs) = the meta's ``empty_permuted``; ``grad_bias`` padded to 16 as the meta.
@@ -988,7 +959,7 @@ def efficient_backward(args, kwargs, out) -> Fix:
     B = as_expr(q.shape[0])
     H, M, K = (_static_int(x, "attention sizes") for x in (q.shape[1], q.shape[2], q.shape[3]))
     N, Kv = (_static_int(x, "attention sizes") for x in (k.shape[2], v.shape[3]))
-    major, minor = _capability()
+    major, minor = spec.capability
     cc = major * 10 + minor
     cc = 120 if cc == 121 else cc
     dropout = float(a["dropout_p"]) != 0.0

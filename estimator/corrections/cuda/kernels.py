@@ -77,14 +77,14 @@ NOT_MODELLED: list[str] = [
     "CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
     "CUB scan / unique_by_key / exclusive_sum temporaries (look-back tile state, small)",
     "CUB radix-sort histogram + look-back arrays (embedding backward: estimate is a lower bound)",
-    "SM-count branches fixed at 132 SMs (H100/H200): norm backward partial sums, embedding fused path",
+    "SM-count branches on GPUs missing from estimator.target.gpus.SM_COUNTS: 132 SMs assumed",
     "quack (cutlass-dsl) RMSNorm override, when installed: (sm_count, N) fp32 partial dw in backward",
     "RMSNorm double backward (create_graph=True): composite backward, not _fused_rms_norm_backward",
     "dropout on nested tensors (always native_dropout)",
 ]
 
-# H100 SXM / H200: 132 SMs (cudaDeviceProp.multiProcessorCount).  See NOT_MODELLED.
-SM_COUNT = 132
+# cudaDeviceProp.multiProcessorCount when the GPU's is unknown (H100 SXM / H200).  See NOT_MODELLED.
+DEFAULT_SM_COUNT = 132
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -224,7 +224,11 @@ def batch_norm_stats_fp32(args, kwargs, out) -> Fix:
     return Fix(output_bytes={1: extra, 2: extra})
 
 
-def _gamma_beta_blocks(M, N: int, isz: int, n_buffers: int):
+def _sm_count(spec) -> int:
+    return spec.gpu.sm_count or DEFAULT_SM_COUNT
+
+
+def _gamma_beta_blocks(M, N: int, isz: int, n_buffers: int, sm_count: int):
     """``LaunchGammaBetaBackwardCUDAKernel`` (layer_norm_kernel.cu): ``if (M > 64 * 1024 && N /
     block_dim_x < sm_count / 2)`` (block_dim_x = 32): ``blocks.x = ceil(N / 32)``, ``blocks.y =
     min(32768 / blocks.x, ceil(M / 32))``, ``dgamma_blocks = empty({blocks.y, N}, dgamma
@@ -233,7 +237,7 @@ def _gamma_beta_blocks(M, N: int, isz: int, n_buffers: int):
     N * itemsize sum result; None when the path is not taken.  ``M > 65536`` is a comparison on
     the (possibly symbolic) row count: it adds a shape guard, so a symbolic capture's range
     records which side it is on."""
-    if N // 32 >= SM_COUNT // 2 or not bool(M > 64 * 1024):
+    if N // 32 >= sm_count // 2 or not bool(M > 64 * 1024):
         return None
     cap = 32768 // -(-N // 32)  # max_grid_size / blocks.x
     rows = (M + 31) // 32
@@ -242,10 +246,10 @@ def _gamma_beta_blocks(M, N: int, isz: int, n_buffers: int):
 
 
 @correction(aten.native_layer_norm_backward.default, targets=Target.CUDA)
-def layer_norm_backward_blocks(args, kwargs, out) -> Fix:
+def layer_norm_backward_blocks(args, kwargs, out, spec) -> Fix:
     """``layer_norm_backward_cuda`` -> ``LayerNormBackwardKernelImplInternal``: ``dY.contiguous()``
     (a copy when the incoming gradient is not contiguous) and, for M > 65536 rows of N < 2112
-    (132 SMs), the per-block partial sums of dgamma and dbeta (``_gamma_beta_blocks``)."""
+    (132 SMs; the GPU's count), the per-block partial sums of dgamma and dbeta (``_gamma_beta_blocks``)."""
     a = bind(aten.native_layer_norm_backward.default, args, kwargs)
     x, mask = a["input"], a["output_mask"]
     N = math.prod(int(s) for s in a["normalized_shape"])
@@ -255,13 +259,13 @@ def layer_norm_backward_blocks(args, kwargs, out) -> Fix:
     copy = 0 if a["grad_out"].is_contiguous() else _nbytes(a["grad_out"])
     n_buffers = int(bool(mask[1]) and a["weight"] is not None) + int(bool(mask[2]) and a["bias"] is not None)
     isz = a["weight"].element_size() if a["weight"] is not None else x.element_size()
-    blocks = _gamma_beta_blocks(M, N, isz, n_buffers) if n_buffers else None
+    blocks = _gamma_beta_blocks(M, N, isz, n_buffers, _sm_count(spec)) if n_buffers else None
     scratch = copy + (blocks or 0)
     return Fix(scratch=(scratch,)) if scratch else NO_FIX
 
 
 @correction(aten._fused_rms_norm_backward.default, targets=Target.CUDA)
-def fused_rms_norm_backward(args, kwargs, out) -> Fix:
+def fused_rms_norm_backward(args, kwargs, out, spec) -> Fix:
     """``_fused_rms_norm_backward_cuda`` -> ``RMSNormBackwardKernelImpl`` ->
     ``LayerNormBackwardKernelImplInternal<T, /*rms_norm=*/true>(dY.contiguous(), ...)``: as
     LayerNorm's backward with dgamma only (no ``dbeta_blocks`` for rms_norm)."""
@@ -273,7 +277,7 @@ def fused_rms_norm_backward(args, kwargs, out) -> Fix:
         M = M * s
     copy = 0 if a["grad_out"].is_contiguous() else _nbytes(a["grad_out"])
     w = a["weight"]
-    blocks = _gamma_beta_blocks(M, N, w.element_size(), 1) if mask[1] and w is not None else None
+    blocks = _gamma_beta_blocks(M, N, w.element_size(), 1, _sm_count(spec)) if mask[1] and w is not None else None
     scratch = copy + (blocks or 0)
     return Fix(scratch=(scratch,)) if scratch else NO_FIX
 
@@ -302,7 +306,7 @@ def radix_sort_pairs_temp(n, key_size: int, value_size: int):
 
 
 @correction(aten.embedding_dense_backward.default, targets=Target.CUDA)
-def embedding_dense_backward(args, kwargs, out) -> Fix:
+def embedding_dense_backward(args, kwargs, out, spec) -> Fix:
     """``embedding_dense_backward_cuda`` (Embedding.cu) and ``embedding_backward_cuda_kernel``
     (EmbeddingBackwardKernel.cu).  n = indices.numel(), i = index itemsize (8 for int64), W =
     num_weights, D = embedding dim, acc = 4 for fp16/bf16 gradients else the itemsize; the
@@ -350,7 +354,7 @@ def embedding_dense_backward(args, kwargs, out) -> Fix:
     grid = (S_sym * stride_warped + block - 1) // block
     fused = (
         not torch.are_deterministic_algorithms_enabled()
-        and bool(grid < SM_COUNT * 4)
+        and bool(grid < _sm_count(spec) * 4)
         and bool(P_sym > grid * 4)
     )
     if fused:
