@@ -15,6 +15,7 @@ from estimator.capture.trace import StepSpec, capture
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
 from estimator.report.result import CapturePath, ModuleRow, Piece, Report
+from estimator.strategy import DEFAULT, Strategy, report_type
 from estimator.symbolic import ZERO, NotPolynomial, Poly, nondominated
 from estimator.target import cuda
 from estimator.target.spec import target_spec
@@ -37,6 +38,7 @@ def report(
     amp: str | None = None,
     grad_scaler: bool | None = None,
     dynamic: Mapping | None = None,
+    strategy: Strategy | None = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -76,6 +78,12 @@ def report(
             (by key), ``{0: {1: "s"}}`` for a tuple (by position), ``{1: "s"}`` for a single
             tensor.  The formulas are then in ``b`` and ``s``; ``Report.at(b, s)``,
             ``max_batch(budget, s=)`` and ``max_seq(budget, b=)`` evaluate and invert them.
+        strategy: an ``estimator.strategy.Strategy`` (train only): ``accumulate=k`` splits the batch ``b``
+            (the optimizer step's) into ``k`` micro-batches of ``b / k`` whose gradients
+            accumulate (``b`` must be a multiple of ``k``; so must every ``b`` given to
+            ``Report.at``, and ``max_batch`` answers one); ``checkpoint=`` a module path, glob,
+            tuple of them or module type whose forward is recomputed in backward
+            (``torch.utils.checkpoint``, ``checkpoint_reentrant`` picks the variant).
 
     Returns:
         A frozen ``Report``.
@@ -108,7 +116,8 @@ def report(
     target, notes = target_spec(device_, gpu, alloc_conf)
     factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
     precision = step.Precision.of(amp, grad_scaler, mode_)
-    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision)
+    strategy = _strategy(strategy, mode_, model, batch)
+    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy)
 
     seq_dims, seq = _seq_dims(sample, dynamic)
     hint = max(batch, 2)
@@ -159,7 +168,12 @@ def report(
     if target.is_cuda:
         on_device = cuda.predict(at_batch, batch, target)
         notes.append(cuda.not_modelled_note())
-    return Report(
+    extra = {"accumulate": strategy.accumulate} if strategy.accumulate > 1 else {}
+    if strategy.accumulate > 1:
+        notes.append(f"gradient accumulation: {strategy.accumulate} micro-batches of b/{strategy.accumulate} "
+                     f"per optimizer step; b must be a multiple of {strategy.accumulate}")
+    return report_type(strategy)(
+        **extra,
         model=type(model).__name__,
         mode=mode_,
         device=device_,
@@ -184,6 +198,19 @@ def report(
         seq=seq,
         seq_range=seq_range or (2, None),
     )
+
+
+def _strategy(strategy: Strategy | None, mode: Mode, model: nn.Module, batch: int) -> Strategy:
+    """``strategy`` checked against the mode, the model (checkpointed modules exist) and ``batch``."""
+    if strategy is None:
+        return DEFAULT
+    if not isinstance(strategy, Strategy):
+        raise InputError(f"strategy must be an estimator.strategy.Strategy, got {type(strategy).__name__}")
+    if mode is not Mode.TRAIN and not strategy.is_default:
+        raise InputError("strategy: gradient accumulation and activation checkpointing apply to mode='train' only")
+    strategy.check_batch(batch)
+    strategy.checkpointed(model)
+    return strategy
 
 
 def _seq_dims(sample: Any, dynamic: Mapping | None) -> tuple[dict[int, tuple[int, ...]] | None, int | None]:

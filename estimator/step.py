@@ -22,6 +22,14 @@ Mixed precision (``Precision``) is the standard recipe::
 
 (without a scaler: ``loss.backward()`` and ``optimizer.step()``); inference runs its
 ``no_grad`` forward inside the same ``torch.autocast`` region.
+
+A ``Strategy`` (``estimator.strategy``) changes the train step: ``accumulate=k`` runs the
+forward and backward on ``k`` micro-batches (views ``chunk(k)`` of the sample along dim 0, the
+full sample staying alive), each loss divided by ``k``, the gradients accumulating from the
+second backward on, then one optimizer step; ``out`` and ``loss`` of a micro-step stay alive
+until the next micro-step's forward has produced its own (plain Python rebinding), the last
+ones to the end.  ``checkpoint`` runs the selected modules under
+``torch.utils.checkpoint.checkpoint`` for the whole step.
 """
 
 from __future__ import annotations
@@ -34,10 +42,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
+from estimator.strategy import DEFAULT, Strategy, checkpointing
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -218,18 +227,27 @@ def train_step(
     on_phase: PhaseCallback = lambda phase: None,
     precision: Precision = FP32,
     scaler: torch.amp.GradScaler | None = None,
+    strategy: Strategy = DEFAULT,
 ) -> tuple[Any, torch.Tensor]:
-    """One training step; returns ``(out, loss)`` so that both stay alive to the end.
+    """One training step; returns ``(out, loss)`` (of the last micro-step) so that both stay
+    alive to the end.
 
     With ``scaler`` the loss is scaled before backward and ``scaler.step`` unscales the
     gradients (skipping ``optimizer.step()`` on inf/nan) and ``scaler.update()`` adjusts the
-    scale; without an optimizer the scaled loss is back-propagated and nothing is stepped."""
-    on_phase(Phase.FORWARD)
-    with autocast(precision, device_type(model, sample)):
-        out = call_model(model, sample)
-        loss = _check_loss(loss_fn(out, sample))
-    on_phase(Phase.BACKWARD)
-    (loss if scaler is None else scaler.scale(loss)).backward()
+    scale; without an optimizer the scaled loss is back-propagated and nothing is stepped.
+    ``strategy``: gradient accumulation and activation checkpointing (module docstring)."""
+    k = strategy.accumulate
+    device = device_type(model, sample)
+    with checkpointing(model, strategy):
+        for micro in micro_batches(sample, k):
+            on_phase(Phase.FORWARD)
+            with autocast(precision, device):
+                out = call_model(model, micro)
+                loss = _check_loss(loss_fn(out, micro))
+                if k > 1:
+                    loss = loss / k
+            on_phase(Phase.BACKWARD)
+            (loss if scaler is None else scaler.scale(loss)).backward()
     on_phase(Phase.OPTIMIZER)
     if optimizer is not None:
         if scaler is None:
@@ -242,6 +260,22 @@ def train_step(
         for p in model.parameters():
             p.grad = None
     return out, loss
+
+
+def micro_batches(sample: Any, k: int) -> list[Any]:
+    """``sample`` split along dim 0 into ``k`` equal micro-batches (``narrow`` views, like
+    ``split(b // k)``; ``[sample]`` for k = 1)."""
+    if k == 1:
+        return [sample]
+    leaves, spec = tree_flatten(sample)
+    parts = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            size = t.shape[0] // k  # b = k * micro-batch (checked by report; a symbol's k*m // k is m)
+            parts.append([t.narrow(0, i * size, size) for i in range(k)])  # no guard on a symbolic size
+        else:
+            parts.append([t] * k)
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(k)]
 
 
 def inference_step(
@@ -293,10 +327,13 @@ def run(
     on_phase: PhaseCallback = lambda phase: None,
     precision: Precision = FP32,
     scaler: torch.amp.GradScaler | None = None,
+    strategy: Strategy = DEFAULT,
 ):
     """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``)."""
     if mode is Mode.TRAIN:
-        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler)
+        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy)
+    if not strategy.is_default:
+        raise InputError("gradient accumulation and activation checkpointing apply to mode='train' only")
     return inference_step(model, sample, on_phase, precision)
 
 

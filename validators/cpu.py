@@ -58,20 +58,23 @@ def measure_cpu(
     loss_fn: step.LossFn | None = None,
     amp: str | None = None,
     grad_scaler: bool | None = None,
+    strategy=None,
 ) -> Measurement:
     """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
 
     The step is ``estimator.step.run``: the same code the estimator runs on fake tensors, with
     the same precision (``amp``, ``grad_scaler`` as in ``estimator.report``).  A measured step
     whose ``GradScaler`` found inf/nan gradients (and skipped ``optimizer.step()``) raises: the
-    estimator predicts the step with finite gradients.
+    estimator predicts the step with finite gradients.  ``strategy``: an
+    ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing).
     """
+    strategy = strategy or step.DEFAULT
     precision = step.Precision.of(amp, grad_scaler, Mode(mode))
-    mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision)
+    mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision, strategy)
     baseline = baseline_bytes(model, opt, sample, scaler)
     scale = None if scaler is None else scaler.get_scale()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
+        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy)
     del result
     if skipped(scaler, scale, opt):
         raise RuntimeError("the measured step's GradScaler found inf/nan gradients and skipped optimizer.step()")

@@ -15,19 +15,22 @@ from estimator.categories import Mode
 MAX_SKIPPED_STEPS = 32
 
 
-def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn, precision=step.FP32):
+def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn, precision=step.FP32,
+            strategy=None):
     """Put ``model`` in ``mode``, build its optimizer (and ``GradScaler``) and run one unmeasured
     step (optimizer and scaler state are created lazily).  Returns ``(mode, optimizer, loss_fn,
     scaler)`` for the measured step.
 
     With a ``GradScaler``, a warm-up step whose gradients overflowed is skipped by the scaler
-    (no optimizer state yet): the warm-up repeats until a step is taken."""
+    (no optimizer state yet): the warm-up repeats until a step is taken.  ``strategy``
+    (``estimator.strategy.Strategy``): the step's accumulation and checkpointing."""
     mode = Mode(mode)
+    strategy = strategy or step.DEFAULT
     opt, scaler = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None, precision)
     loss_fn = loss_fn or step.default_loss
     for _ in range(MAX_SKIPPED_STEPS):
         before = None if scaler is None else scaler.get_scale()  # the initial scale before the first step
-        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
+        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy)
         del result
         if not skipped(scaler, before, opt):
             break

@@ -16,7 +16,7 @@ from typing import Any
 import sympy
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -27,6 +27,7 @@ from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.errors import CaptureError, FxmemError, SequenceNotSymbolic, SymbolicCaptureFailed
+from estimator.strategy import DEFAULT, Strategy
 from estimator.symbolic import B, NotPolynomial, Poly, S
 from estimator.target.spec import TargetSpec
 
@@ -34,14 +35,15 @@ from estimator.target.spec import TargetSpec
 @dataclass(frozen=True)
 class StepSpec:
     """What step to run: the mode, the optimizer factory (train), the loss function, the
-    target whose kernels and defaults the capture follows, and the precision (autocast dtype,
-    GradScaler)."""
+    target whose kernels and defaults the capture follows, the precision (autocast dtype,
+    GradScaler) and the strategy (gradient accumulation, activation checkpointing)."""
 
     mode: Mode
     optimizer: step.OptimizerFactory | None
     loss_fn: step.LossFn
     target: TargetSpec = field(default_factory=TargetSpec)
     precision: step.Precision = step.FP32
+    strategy: Strategy = DEFAULT
 
 
 @dataclass
@@ -63,11 +65,26 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
 
     ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
     sequence length ``s``, hinted by their size in the sample.
+
+    Gradient accumulation over ``k = spec.strategy.accumulate`` micro-batches: the symbol is the
+    micro-batch ``m`` (hint ``max(batch // k, 2)``), the fake sample's dim 0 is ``k·m`` (the
+    step splits it into ``k`` views of ``m`` rows), and the bytes are mapped to ``b`` by
+    ``m = b / k``: exact integer polynomials in ``b`` when ``k`` divides each coefficient
+    (``CaptureError`` otherwise); the range of ``b`` is ``k`` times that of ``m``.
     """
+    k = spec.strategy.accumulate
+    if not symbolic and batch % k:
+        raise CaptureError(f"accumulate={k}: the concrete capture at b={batch} needs a multiple of {k}")
+    micro = max(batch // k, 2) if symbolic else batch // k
+    if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
+        sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
+                 for d in seq_dims.get(id(t), ())}
+        while micro in sizes:
+            micro += 1
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     fmodel = fake_model(model, mode)
-    fsample = fake_sample(sample, mode, batch, symbolic, seq_dims if symbolic else None)
+    fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None), k)
     batch_symbols = _batch_symbols(fsample)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
     substitutions = (
@@ -78,7 +95,9 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     # arguments of substituted functions before the substitutes see them).
     amp_policy = cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp else contextlib.nullcontext()
 
-    with _errors_named(symbolic), mode, substitutions, amp_policy:
+    rng_states = _fake_rng_state() if spec.strategy.checkpoint is not None and not spec.target.is_cuda \
+        else contextlib.nullcontext()
+    with _errors_named(symbolic), mode, substitutions, amp_policy, rng_states:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
         corrections.apply_optimizer_rules(spec.target, optimizer)
@@ -88,7 +107,8 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
             tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
         with tracker, _module_hooks(tracker):
             result = step.run(
-                fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler
+                fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler,
+                spec.strategy,
             )
         tracker.flush()
         _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
@@ -101,7 +121,47 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, ())
-    return _to_batch_symbol(tracker, graph, shape_env, batch_symbols)
+    return _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k)
+
+
+@contextlib.contextmanager
+def _fake_rng_state():
+    """CPU target with checkpointing: ``torch.get_rng_state()`` as a fake tensor of the real
+    state's size (5,056 B for the Mersenne Twister), which the tracker sees, and
+    ``torch.set_rng_state`` of a fake state as a no-op.
+
+    ``torch.utils.checkpoint`` (``preserve_rng_state=True``, the default) keeps the CPU RNG
+    state of each checkpointed forward until its recomputation, and ``torch.random.fork_rng``
+    copies it again around the recomputation; the real state is a CPU tensor made outside the
+    dispatcher, invisible to the tracker.  On the CUDA target that copy is host memory (not
+    counted), so this applies to the CPU target only."""
+    get, set_ = torch.get_rng_state, torch.set_rng_state
+    nbytes = get().numel()
+
+    def fake_set(new_state):
+        if not isinstance(new_state, FakeTensor):
+            set_(new_state)
+
+    torch.get_rng_state, torch.set_rng_state = lambda: torch.empty(nbytes, dtype=torch.uint8), fake_set
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get, set_
+
+
+def _full_batch(fsample, k: int):
+    """The fake sample of ``k`` micro-batches: dim 0 repeated ``k`` times (one tensor under two
+    names stays one)."""
+    if k == 1:
+        return fsample
+    done: dict[int, torch.Tensor] = {}
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = t.repeat(k, *[1] * (t.dim() - 1))
+        return done[id(t)]
+
+    return tree_map_only(torch.Tensor, repeat, fsample)
 
 
 def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer, scaler) -> None:
@@ -224,13 +284,16 @@ def _ceil_coefficients(expr: sympy.Expr) -> sympy.Expr:
     return sum((sympy.ceiling(c) * B**i * S**j for (i, j), c in poly.terms()), sympy.Integer(0))
 
 
-def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols) -> RawCapture:
+def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: int = 1) -> RawCapture:
     """Map the batch symbols to ``b`` (and the sequence symbols to ``s``) and read the valid
-    ranges from the guards."""
+    ranges from the guards.  With ``k`` micro-batches the batch symbol is the micro-batch
+    ``m = b / k``."""
     batch, seq = symbols
     lo, hi = _symbol_range(shape_env, batch, "batch size", SymbolicCaptureFailed)
+    lo, hi = k * lo, None if hi is None else k * hi
     seq_lo, seq_hi = _symbol_range(shape_env, seq, "sequence length", SequenceNotSymbolic)
-    to_b = {shape_env.replace(s): B for s in batch} | {s: B for s in batch}
+    micro = B / k if k > 1 else B
+    to_b = {shape_env.replace(s): micro for s in batch} | {s: micro for s in batch}
     to_b |= {shape_env.replace(s): S for s in seq} | {s: S for s in seq}
     exprs = [g.expr.xreplace(to_b) for g in shape_env.guards if g.expr.free_symbols & set(to_b)]
     lo, hi = _narrow(lo, hi, exprs, B)
@@ -244,6 +307,12 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols) -> R
         try:
             return Poly.of(expr)
         except NotPolynomial as exc:
+            if k > 1 and _integer_in_micro(expr, k):
+                raise CaptureError(
+                    f"accumulate={k}: {sympy.expand(expr)} bytes (a tensor of {sympy.expand(expr.xreplace({B: k * B}))}"
+                    f" bytes for a micro-batch of b rows) is not an integer polynomial in the batch b: choose an "
+                    f"accumulate that divides the per-sample bytes"
+                ) from exc
             if bound:  # a kernel's buffer estimate (correction): its polynomial upper bound will do
                 try:
                     return Poly.of(_ceil_coefficients(_upper_bound(expr)))
@@ -261,6 +330,16 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols) -> R
     for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
         node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None)
+
+
+def _integer_in_micro(expr, k: int) -> bool:
+    """Whether ``expr`` (in ``b``, the micro-batch being ``b / k``) is an integer polynomial in
+    the micro-batch."""
+    try:
+        Poly.of(sympy.expand(expr.xreplace({B: k * B})))
+    except (NotPolynomial, sympy.PolynomialError):
+        return False
+    return True
 
 
 def _on_phase(tracker: Tracker, model: nn.Module):

@@ -1,0 +1,197 @@
+"""Single-process strategies: gradient accumulation and activation checkpointing, exact against
+the CPU allocator (``validators.cpu.measure_cpu`` runs the same ``estimator.step`` code).
+
+Gradient accumulation over ``k`` micro-batches (``Strategy(accumulate=k)``), ``b`` the batch of
+one optimizer step, ``m = b / k`` the micro-batch::
+
+    for micro in sample.split(m):            # views: the full input (b rows) stays alive
+        out = model(micro); loss = loss_fn(out, micro) / k
+        loss.backward()                      # from the 2nd on: new grads are added into .grad
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+Reference: ``nn.Linear(16, 4)``, SGD, default loss ``out.mean()``, k = 2 (fp32, 4 B):
+
+    k = 1 (tests/test_exact.py): 272 + 64b + 16b + 4 + 4 + 16b + 256 + 16       = 96b + 552
+    k = 2, peak at the bias-gradient ``sum`` of the 2nd micro-step's backward:
+        parameters 272, input 64b (the full batch)
+        gradients of micro-step 1, kept for accumulation                          272
+        out2 (m, 4) = 16m = 8b, and loss2 = mean / 2 (4 B)                        8b + 4
+        backward: one 4-byte scalar gradient, MeanBackward's grad (m, 4) = 8b,
+                  the new grad_W 256 and grad_b 16 (added into .grad right after)  8b + 276
+        total = 272 + 64b + 272 + 8b + 4 + 8b + 276                               = 80b + 824
+    The activations halve (16b -> 8b, twice), but a second set of gradients (272 B) is alive.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import estimator
+import models_zoo
+from estimator import CaptureError, Category, InputError
+from estimator.strategy import Strategy, checkpointing
+from models_zoo.gpt import Block
+from validators.cpu import measure_cpu
+
+
+def linear():
+    return nn.Linear(16, 4)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def gpt():
+    torch.manual_seed(0)
+    return models_zoo.get("gpt", "debug")
+
+
+@functools.cache
+def gpt_report(strategy: Strategy, b: int):
+    model, make_sample, loss_fn = gpt()
+    return estimator.report(model, make_sample(b), loss_fn=loss_fn, strategy=strategy)
+
+
+def gpt_measured(strategy: Strategy, b: int) -> int:
+    model, make_sample, loss_fn = gpt()
+    return measure_cpu(model, make_sample(b), loss_fn=loss_fn, strategy=strategy).peak_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient accumulation
+
+
+def test_linear_accumulate_by_hand():
+    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=2))
+    assert rep.peak == 80 * estimator.B + 824
+    assert rep.peak_piece.op == "aten.sum.dim_IntList" and rep.peak_piece.phase is estimator.Phase.BACKWARD
+    # at b = 8 (m = 4): activations 8b + 4 = 68; temporaries 8b + 276 = 340
+    assert rep.breakdown[Category.ACTIVATION] == 68
+    assert rep.breakdown[Category.TEMPORARY] == 340
+    assert rep.breakdown[Category.GRADIENT] == 272
+    assert rep.valid_from == 4  # micro-batches of at least 2 rows
+    for b in (8, 12, 24):
+        measured = measure_cpu(linear(), torch.randn(b, 16), optimizer="sgd", strategy=Strategy(accumulate=2))
+        assert rep.at(b) == measured.peak_bytes == 80 * b + 824
+
+
+@pytest.mark.parametrize("k,formula", [
+    # AdamW; the non-dominated pieces are in b with integer coefficients (m = b / k)
+    (1, (96, 17056, 480, 10776)),
+    (2, (80, 17056, 272, 12952)),
+    (4, (72, 17056, 168, 12952)),
+])
+def test_mlp_accumulate(k, formula):
+    rep = estimator.report(mlp(), torch.randn(8, 16), strategy=Strategy(accumulate=k))
+    a, c, d, e = formula
+    assert (a * estimator.B + c) in rep.peak.args or rep.peak == a * estimator.B + c
+    assert (d * estimator.B + e) in rep.peak.args
+    for b in (8, 16):
+        assert rep.at(b) == measure_cpu(mlp(), torch.randn(b, 16), strategy=Strategy(accumulate=k)).peak_bytes
+
+
+@pytest.mark.parametrize("k,b", [(2, 4), (4, 8)])
+def test_gpt_accumulate(k, b):
+    rep = gpt_report(Strategy(accumulate=k), b)
+    assert rep.peak_bytes == gpt_measured(Strategy(accumulate=k), b)
+    # b = 4: k = 1 measures 3,263,608 B; k = 2 2,784,888 B (activations of 2 rows, not 4)
+    if k == 2:
+        assert rep.peak_bytes == 2_784_888 < gpt_report(Strategy(), b).peak_bytes == 3_263_608
+
+
+# --------------------------------------------------------------------------------------------
+# Activation checkpointing
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gpt_checkpoint_blocks(reentrant):
+    strategy = Strategy(checkpoint=Block, checkpoint_reentrant=reentrant)
+    rep, plain = gpt_report(strategy, 4), gpt_report(Strategy(), 4)
+    assert rep.peak_bytes == gpt_measured(strategy, 4)
+    # Only the blocks' inputs (and a 5,056-B CPU RNG state per block) are saved for backward.
+    assert rep.peak_bytes < plain.peak_bytes
+    assert rep.breakdown[Category.ACTIVATION] < plain.breakdown[Category.ACTIVATION]
+    slope = lambda r: max(p.bytes.coeff(1) for p in r.pieces)
+    assert slope(rep) < slope(plain)  # 271,104 (279,296 reentrant) vs 483,328 B per sample
+
+
+def test_gpt_accumulate_and_checkpoint():
+    strategy = Strategy(accumulate=2, checkpoint=Block)
+    rep = gpt_report(strategy, 4)
+    assert rep.peak_bytes == gpt_measured(strategy, 4) == 2_416_888
+    assert rep.peak_bytes < gpt_report(Strategy(accumulate=2), 4).peak_bytes
+
+
+def test_checkpoint_selection():
+    model, _, _ = gpt()
+    by_glob = Strategy(checkpoint="transformer.h.*").checkpointed(model)
+    assert [p for p, _ in by_glob] == ["transformer.h.0", "transformer.h.1"]  # outermost matches only
+    assert [p for p, _ in Strategy(checkpoint=Block).checkpointed(model)] == [p for p, _ in by_glob]
+    assert [p for p, _ in Strategy(checkpoint=("transformer.h.1",)).checkpointed(model)] == ["transformer.h.1"]
+    forward = Block.forward
+    with checkpointing(model, Strategy(checkpoint=Block)):
+        assert "forward" in vars(model.transformer.h[0])
+    assert "forward" not in vars(model.transformer.h[0]) and Block.forward is forward
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"accumulate": 0}, "accumulate"),
+    ({"accumulate": -2}, "accumulate"),
+    ({"accumulate": 2.0}, "accumulate"),
+    ({"accumulate": True}, "accumulate"),
+    ({"checkpoint": 42}, "checkpoint"),
+    ({"checkpoint": int}, "checkpoint"),
+    ({"checkpoint": ()}, "checkpoint"),
+    ({"checkpoint_reentrant": "yes"}, "checkpoint_reentrant"),
+])
+def test_bad_strategy(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        Strategy(**kwargs)
+
+
+def test_accumulate_must_divide_the_batch():
+    with pytest.raises(InputError, match=r"accumulate=4.*multiple of 4, got b=6"):
+        estimator.report(linear(), torch.randn(8, 16), batch=6, strategy=Strategy(accumulate=4))
+    with pytest.raises(InputError, match="multiple of 3"):
+        estimator.report(linear(), torch.randn(8, 16), strategy=Strategy(accumulate=3))
+
+
+def test_report_at_and_max_batch_with_accumulation():
+    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=4))
+    with pytest.raises(InputError, match="multiple of 4, got b=6"):
+        rep.at(6)
+    with pytest.raises(InputError, match="multiple of 4"):
+        rep.fits(10_000, b=10)
+    # 72b + 824 <= 10_000 -> b <= 127 -> the largest multiple of 4 is 124
+    assert rep.peak == 72 * estimator.B + 824
+    assert rep.max_batch(10_000) == 124
+
+
+def test_checkpoint_unknown_module():
+    model, make_sample, loss_fn = gpt()
+    with pytest.raises(InputError, match=r"no module 'transformer\.h\.9'; did you mean .*'transformer\.h\.0'"):
+        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint="transformer.h.9"))
+    with pytest.raises(InputError, match="no instance of it.*Block"):
+        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint=nn.Conv2d))
+
+
+def test_strategy_needs_training():
+    with pytest.raises(InputError, match="mode='train' only"):
+        estimator.report(linear(), torch.randn(8, 16), mode="inference", strategy=Strategy(accumulate=2))
+    with pytest.raises(InputError, match="estimator.strategy.Strategy"):
+        estimator.report(linear(), torch.randn(8, 16), strategy={"accumulate": 2})
+
+
+def test_accumulate_not_dividing_per_sample_bytes():
+    # k = 3: the output (m, 4) fp32 is 16m = 16b/3 bytes, not an integer polynomial in b.
+    with pytest.raises(CaptureError, match="accumulate=3"):
+        estimator.report(linear(), torch.randn(9, 16), optimizer="sgd", strategy=Strategy(accumulate=3))
