@@ -250,12 +250,7 @@ def train_step(
             (loss if scaler is None else scaler.scale(loss)).backward()
     on_phase(Phase.OPTIMIZER)
     if optimizer is not None:
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, scaler)
     else:
         for p in model.parameters():
             p.grad = None
@@ -276,6 +271,17 @@ def micro_batches(sample: Any, k: int) -> list[Any]:
         else:
             parts.append([t] * k)
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(k)]
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+    """``optimizer.step()`` (through ``scaler.step``/``update`` with a scaler), then
+    ``zero_grad(set_to_none=True)``."""
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def inference_step(

@@ -184,12 +184,7 @@ def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer, sc
     if optimizer is not None:
         for p in step.trainable(model):
             p.grad = torch.zeros_like(p)
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        step.optimizer_step(optimizer, scaler)
 
 
 def _host_state(spec: StepSpec, optimizer) -> set[int]:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from estimator.categories import Target
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
@@ -167,6 +168,19 @@ def apply_optimizer_rules(spec, optimizer: torch.optim.Optimizer | None) -> None
     if optimizer is not None:
         for rule in _OPTIMIZER_RULES.get(spec.device, ()):
             rule(spec, optimizer)
+
+
+def numel(t: torch.Tensor):
+    """Elements of ``t`` as an int or a sympy expression (no SymInt arithmetic, no guards)."""
+    n = 1
+    for size in t.shape:
+        n = n * as_expr(size)
+    return n
+
+
+def nbytes(t: torch.Tensor):
+    """Bytes of ``t``'s elements (``numel * itemsize``), an int or a sympy expression."""
+    return numel(t) * t.element_size()
 
 
 def bind(func, args, kwargs) -> dict[str, Any]:

@@ -9,25 +9,17 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, bind, correction
-from estimator.symbolic import as_expr
+from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes
 
 aten = torch.ops.aten
 _NONE = 0  # at::Reduction::None
-
-
-def _nbytes(t: torch.Tensor):
-    n = 1
-    for size in t.shape:
-        n = n * as_expr(size)
-    return n * t.element_size()
 
 
 def _full_buffer(func, args, kwargs, out, scratch: int) -> Fix:
     a = bind(func, args, kwargs)
     if a["reduction"] == _NONE:
         return NO_FIX
-    n = _nbytes(a["self"])
+    n = nbytes(a["self"])
     return Fix(output_bytes={0: n - out.element_size()}, scratch=(scratch(n),))
 
 
@@ -72,4 +64,4 @@ def huber(args, kwargs, out) -> Fix:
     a = bind(aten.huber_loss.default, args, kwargs)
     if a["reduction"] == _NONE:
         return NO_FIX
-    return Fix(scratch=(_nbytes(a["self"]) + 12,))
+    return Fix(scratch=(nbytes(a["self"]) + 12,))

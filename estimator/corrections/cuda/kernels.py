@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, bind, correction, substitute
+from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, numel, substitute
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
@@ -88,17 +88,6 @@ DEFAULT_SM_COUNT = 132
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _numel(t: torch.Tensor):
-    n = 1
-    for s in t.shape:
-        n = n * as_expr(s)
-    return n
-
-
-def _nbytes(t: torch.Tensor):
-    return _numel(t) * t.element_size()
-
-
 def _args(names: tuple[str, ...], defaults: dict, args, kwargs) -> dict:
     bound = dict(defaults)
     bound.update(zip(names, args))
@@ -112,7 +101,7 @@ def fused_dropout(spec, func, args, kwargs):
     """``at::native::dropout`` (Dropout.cpp): ``if (input.is_nested() || (train &&
     is_fused_kernel_acceptable(input, p))) return std::get<0>(at::native_dropout(input, p,
     train));`` with ``is_fused_kernel_acceptable = input.is_cuda() && p > 0 && p < 1 &&
-    input.sym_numel() > 0``; else ``_dropout_impl``, which the CPU runs: ``noise =
+    input.symnumel() > 0``; else ``_dropout_impl``, which the CPU runs: ``noise =
     at::empty_like(input)`` (input dtype), ``bernoulli_``, ``div_``, ``input.mul(noise)`` (the mul
     saves ``noise`` for backward).  ``native_dropout_cuda`` -> ``dropout_cuda<bool>``: ``mask =
     empty_like(self, bool)`` then ``ret = empty_like(self)``; autograd saves ``result1`` (the mask)
@@ -206,7 +195,7 @@ def layer_norm_stats_fp32(args, kwargs, out) -> Fix:
     x = args[0]
     if x.dtype not in _HALF:
         return NO_FIX
-    extra = _numel(out[1]) * (4 - x.element_size())
+    extra = numel(out[1]) * (4 - x.element_size())
     return Fix(output_bytes={1: extra, 2: extra})
 
 
@@ -220,7 +209,7 @@ def batch_norm_stats_fp32(args, kwargs, out) -> Fix:
     holds ``C * (4 - itemsize)`` more bytes.  Eval: both are 0-element tensors on every path."""
     if len(out) < 3 or out[1].dtype not in _HALF:
         return NO_FIX
-    extra = _numel(out[1]) * (4 - out[1].element_size())
+    extra = numel(out[1]) * (4 - out[1].element_size())
     return Fix(output_bytes={1: extra, 2: extra})
 
 
@@ -245,6 +234,18 @@ def _gamma_beta_blocks(M, N: int, isz: int, n_buffers: int, sm_count: int):
     return n_buffers * as_expr(blocks_y) * N * isz + N * isz
 
 
+def _norm_backward_rows(a: dict):
+    """(M rows, N normalized elements, the ``dY.contiguous()`` copy) of a bound LayerNorm or
+    RMSNorm backward (``LayerNormBackwardKernelImplInternal``'s common prologue)."""
+    x, shape = a["input"], a["normalized_shape"]
+    N = math.prod(int(s) for s in shape)
+    M = 1
+    for s in x.shape[: x.dim() - len(shape)]:
+        M = M * s
+    copy = 0 if a["grad_out"].is_contiguous() else nbytes(a["grad_out"])
+    return M, N, copy
+
+
 @correction(aten.native_layer_norm_backward.default, targets=Target.CUDA)
 def layer_norm_backward_blocks(args, kwargs, out, spec) -> Fix:
     """``layer_norm_backward_cuda`` -> ``LayerNormBackwardKernelImplInternal``: ``dY.contiguous()``
@@ -252,11 +253,7 @@ def layer_norm_backward_blocks(args, kwargs, out, spec) -> Fix:
     (132 SMs; the GPU's count), the per-block partial sums of dgamma and dbeta (``_gamma_beta_blocks``)."""
     a = bind(aten.native_layer_norm_backward.default, args, kwargs)
     x, mask = a["input"], a["output_mask"]
-    N = math.prod(int(s) for s in a["normalized_shape"])
-    M = 1
-    for s in x.shape[: x.dim() - len(a["normalized_shape"])]:
-        M = M * s
-    copy = 0 if a["grad_out"].is_contiguous() else _nbytes(a["grad_out"])
+    M, N, copy = _norm_backward_rows(a)
     n_buffers = int(bool(mask[1]) and a["weight"] is not None) + int(bool(mask[2]) and a["bias"] is not None)
     isz = a["weight"].element_size() if a["weight"] is not None else x.element_size()
     blocks = _gamma_beta_blocks(M, N, isz, n_buffers, _sm_count(spec)) if n_buffers else None
@@ -270,12 +267,8 @@ def fused_rms_norm_backward(args, kwargs, out, spec) -> Fix:
     ``LayerNormBackwardKernelImplInternal<T, /*rms_norm=*/true>(dY.contiguous(), ...)``: as
     LayerNorm's backward with dgamma only (no ``dbeta_blocks`` for rms_norm)."""
     a = bind(aten._fused_rms_norm_backward.default, args, kwargs)
-    x, mask = a["input"], a["output_mask"]
-    N = math.prod(int(s) for s in a["normalized_shape"])
-    M = 1
-    for s in x.shape[: x.dim() - len(a["normalized_shape"])]:
-        M = M * s
-    copy = 0 if a["grad_out"].is_contiguous() else _nbytes(a["grad_out"])
+    mask = a["output_mask"]
+    M, N, copy = _norm_backward_rows(a)
     w = a["weight"]
     blocks = _gamma_beta_blocks(M, N, w.element_size(), 1, _sm_count(spec)) if mask[1] and w is not None else None
     scratch = copy + (blocks or 0)
@@ -337,12 +330,12 @@ def embedding_dense_backward(args, kwargs, out, spec) -> Fix:
     scale = bool(a["scale_grad_by_freq"])
     n, i = as_expr(n_sym), indices.element_size()
     # indices_.contiguous(), grad_.contiguous(): copies only for non-contiguous arguments
-    pre = (0 if indices.is_contiguous() else n * i) + (0 if grad.is_contiguous() else _nbytes(grad))
+    pre = (0 if indices.is_contiguous() else n * i) + (0 if grad.is_contiguous() else nbytes(grad))
     if not scale and bool(n_sym <= 3072):
         return Fix(scratch=(pre,)) if pre else NO_FIX
     D = int(grad.shape[-1])
     acc = 4 if grad.dtype in _HALF else grad.element_size()
-    out_bytes = _nbytes(out)
+    out_bytes = nbytes(out)
     # peak 1: sorted + orig + range + CUB temp, grad_weight not yet allocated
     peak1 = pre + 3 * n * i + radix_sort_pairs_temp(n, i, i) - out_bytes
     S_sym = n_sym if bool(n_sym <= W) else W
@@ -374,7 +367,7 @@ def _loss_fix(op, args, kwargs, out, scratch, keeps_full_buffer: bool) -> Fix:
     a = bind(op, args, kwargs)
     if a["reduction"] == _NONE:
         return NO_FIX
-    n = _nbytes(a["self"])
+    n = nbytes(a["self"])
     output_bytes = {0: n - out.element_size()} if keeps_full_buffer else {}
     return Fix(output_bytes=output_bytes, scratch=(scratch(n, out.element_size()),))
 

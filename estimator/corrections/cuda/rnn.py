@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, bind, correction, substitute
+from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, substitute
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
@@ -117,10 +117,7 @@ def _input_copy(x: torch.Tensor, batch_first: bool, batch_sizes):
     T, B = _dims(x, True, batch_sizes)
     if T == 1 or B == 1:
         return 0
-    n = 1
-    for s in x.shape:
-        n = n * as_expr(s)
-    return n * x.element_size()
+    return nbytes(x)
 
 
 @correction(aten._cudnn_rnn.default, targets=Target.CUDA)
@@ -200,12 +197,7 @@ _register_fake_backward()
 
 
 def _bytes(t: torch.Tensor | None):
-    if t is None:
-        return 0
-    n = 1
-    for s in t.shape:
-        n = n * as_expr(s)
-    return n * t.element_size()
+    return 0 if t is None else nbytes(t)
 
 
 @correction(aten._cudnn_rnn_backward.default, targets=Target.CUDA)
