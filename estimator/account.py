@@ -34,6 +34,7 @@ class OpMemory:
     allocated: Vector  # bytes this op allocated, by category
     scratch: tuple[Poly, ...] = ()  # kernel-internal temporaries on top of ``live`` (corrections)
     total: Poly | None = None  # sum of ``live`` (computed when not given)
+    owner: str | None = None  # optimizer phase: the parameter this op updates (None: several, or none)
 
     def __post_init__(self) -> None:
         if self.total is None:
@@ -61,6 +62,10 @@ class Timeline:
     ops: tuple[OpMemory, ...]
     # For each storage: (bytes, category, allocating op or -1, op after which it is freed or None).
     storages: tuple[tuple[Poly, Category, int, int | None], ...]
+    # For each storage: the name of the parameter it holds, or is the gradient, optimizer state
+    # or an optimizer temporary of (None for everything else); empty when unknown.
+    owners: tuple[str | None, ...] = ()
+    grad_order: tuple[str, ...] = ()  # parameters in the order backward's AccumulateGrad reached them
 
     def alive_at(self, index: int):
         """The storages alive while op ``index`` runs."""
@@ -75,17 +80,21 @@ class Timeline:
         """The same timeline with ``s`` fixed: every byte count a polynomial in ``b`` only."""
         if not self.has_s:
             return self
+        return self._map(lambda p: p.at_s(s))
+
+    def _map(self, f) -> Timeline:
+        """Every byte count mapped by ``f``."""
 
         def vec(v: Vector) -> Vector:
-            return tuple(p.at_s(s) for p in v)
+            return tuple(f(p) for p in v)
 
         ops = tuple(
             OpMemory(op.index, op.op, op.node, op.phase, op.module, vec(op.live), vec(op.allocated),
-                     vec(op.scratch), op.total.at_s(s))
+                     vec(op.scratch), f(op.total), op.owner)
             for op in self.ops
         )
-        storages = tuple((nbytes.at_s(s), *rest) for nbytes, *rest in self.storages)
-        return Timeline(vec(self.baseline), ops, storages)
+        storages = tuple((f(nbytes), *rest) for nbytes, *rest in self.storages)
+        return Timeline(vec(self.baseline), ops, storages, self.owners, self.grad_order)
 
 
 def _sum(vector: Vector) -> Poly:
@@ -118,7 +127,8 @@ def account(raw: RawCapture) -> Timeline:
             total += storage.nbytes
         ops.append(
             OpMemory(
-                i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch, total
+                i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch, total,
+                event.owner,
             )
         )
         for sid in event.frees:
@@ -127,7 +137,7 @@ def account(raw: RawCapture) -> Timeline:
             total -= storage.nbytes
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
-    return Timeline(baseline, tuple(ops), storages)
+    return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order)
 
 
 def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:
@@ -156,7 +166,7 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
     storages = first.storages
     if all(len(t.storages) == len(storages) for t in timelines):
         storages = tuple((line([t.storages[k][0] for t in timelines]),) + storages[k][1:] for k in range(len(storages)))
-    return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages)
+    return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages, first.owners, first.grad_order)
 
 
 def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[object, int]] = ()):

@@ -13,6 +13,7 @@ class Category(str, enum.Enum):
     INPUT = "inputs"
     GRADIENT = "gradients"
     OPTIMIZER_STATE = "optimizer state"
+    COMMUNICATION = "communication buffers"  # distributed strategies: DDP buckets, gathered shards, ...
     ACTIVATION = "activations"  # saved for backward by autograd
     TEMPORARY = "temporaries"  # everything else allocated during the step
 

@@ -53,10 +53,21 @@ class Options:
     alloc_conf: str | None
     device_init: str
     quiet: bool
+    accumulate: int
+    checkpoint: str | None
+    data_parallel: int
+    zero: str | None
+    pipeline: int
+    microbatches: int | None
+    schedule: str
+    master_weights: bool
 
 
-def model_options(func):
-    """The options shared by ``report``, ``formula`` and ``fit``."""
+def model_options(func=None, *, strategy: bool = True):
+    """The options shared by ``report``, ``formula`` and ``fit`` (and, without the strategy
+    options, ``compare`` and ``plan``)."""
+    if func is None:
+        return functools.partial(model_options, strategy=strategy)
     options = [
         click.argument("model", metavar="MODEL"),
         click.option("--size", "-s", metavar="SIZE", help="zoo model size (default: debug, a tiny test size)."),
@@ -85,14 +96,51 @@ def model_options(func):
             help="where zoo and integration models are built (meta allocates nothing).",
         ),
         click.option("--quiet", "-q", is_flag=True, help="no progress lines on stderr."),
+        *(STRATEGY_OPTIONS if strategy else []),
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
+STRATEGY_OPTIONS = [
+    click.option("--accumulate", type=click.IntRange(min=1), default=1, metavar="K",
+                 help="gradient accumulation over K micro-batches of b/K."),
+    click.option("--checkpoint", metavar="MODULES",
+                 help="activation checkpointing: a module type (Block), path (transformer.h.0) or glob (transformer.h.*)."),
+    click.option("--data-parallel", "--dp", "data_parallel", type=click.IntRange(min=1), default=1, metavar="N",
+                 help="data parallel over N devices (DDP; each runs b samples)."),
+    click.option("--zero", type=click.Choice(("1", "2", "3")), help="ZeRO stage over the --dp devices "
+                 "(1: ZeroRedundancyOptimizer, 2/3: FSDP2 fully_shard, reshard_after_forward False/True)."),
+    click.option("--pipeline", type=click.IntRange(min=1), default=1, metavar="S", help="pipeline over S stages."),
+    click.option("--microbatches", type=click.IntRange(min=1), metavar="M", help="pipeline micro-batches (default S)."),
+    click.option("--schedule", type=click.Choice(("1f1b", "gpipe")), default="1f1b", show_default=True,
+                 help="pipeline schedule."),
+    click.option("--master-weights", is_flag=True,
+                 help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
+]
+
+
+def _strategy(opts: Options, model):
+    """The ``Strategy`` of the command-line options (``--checkpoint Block``: the module type of
+    that name in ``model``)."""
+    from estimator.strategy import Strategy
+
+    checkpoint = opts.checkpoint
+    if checkpoint is not None:
+        types = {type(m).__name__: type(m) for m in model.modules()}
+        checkpoint = types.get(checkpoint, checkpoint)
+    return Strategy(
+        accumulate=opts.accumulate, checkpoint=checkpoint, data_parallel=opts.data_parallel,
+        sharding=None if opts.zero is None else f"zero{opts.zero}", pipeline=opts.pipeline,
+        microbatches=opts.microbatches, schedule=opts.schedule, master_weights=opts.master_weights,
+    )
+
+
 def _options(kwargs) -> Options:
-    opts = Options(**{k: kwargs.pop(k) for k in list(Options.__dataclass_fields__)})
+    defaults = {"accumulate": 1, "checkpoint": None, "data_parallel": 1, "zero": None, "pipeline": 1,
+                "microbatches": None, "schedule": "1f1b", "master_weights": False}
+    opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
     from estimator.errors import InputError
 
     for flag, value in (("--gpu", opts.gpu), ("--alloc-conf", opts.alloc_conf)):
@@ -109,8 +157,9 @@ def _status(opts: Options, message: str) -> None:
         click.echo(f"fxmem: {message}", err=True)
 
 
-def _estimate(opts: Options):
-    """Build the model and capture it: the Report, with progress lines on stderr."""
+def _estimate(opts: Options, run=None, **extra):
+    """Build the model and capture it: ``run(model, sample, **report options)`` (default
+    ``estimator.report``, with the strategy options), with progress lines on stderr."""
     start = time.perf_counter()
     _quiet_torch_import()
     import estimator
@@ -120,7 +169,9 @@ def _estimate(opts: Options):
     batch = opts.batch or built.batch
     _status(opts, f"capturing {built.label}, {opts.mode}" + (f", b={batch}" if batch else "") + " ...")
     optimizer = "adamw" if opts.optimizer is None else opts.optimizer
-    rep = estimator.report(
+    if run is None:
+        run, extra = estimator.report, {"amp": opts.amp, "strategy": _strategy(opts, built.model)}
+    result = run(
         built.model,
         built.sample,
         batch=opts.batch,
@@ -130,11 +181,11 @@ def _estimate(opts: Options):
         device=opts.device,
         gpu=opts.gpu,
         alloc_conf=opts.alloc_conf,
-        amp=opts.amp,
         dynamic=_dynamic(opts.seq),
+        **extra,
     )
     _status(opts, f"done in {time.perf_counter() - start:.1f} s")
-    return rep
+    return result
 
 
 def _dynamic(specs: tuple[str, ...]) -> dict | None:
@@ -326,6 +377,105 @@ def _range_note(rep, best: int | None) -> str:
     if best and rep.valid_to is not None and best >= rep.valid_to:
         return f" (capped: the formula holds up to b = {rep.valid_to} only; see the guards in `fxmem report`)"
     return ""
+
+
+@cli.command(epilog=MODEL_HELP, short_help="strategies side by side: peak per device, savings, costs.")
+@model_options(strategy=False)
+@click.option("--devices", "-n", type=click.IntRange(min=1), default=4, show_default=True,
+              help="devices for the distributed strategies.")
+@click.option("--strategy", "specs", multiple=True, metavar="SPEC",
+              help="a strategy instead of the default eight: Strategy fields as key=value, comma-separated "
+                   "(data_parallel=4,sharding=zero3,amp=bf16,checkpoint=Block); repeat for several.")
+@click.option("--budget", metavar="BYTES", help="also the largest batch that fits per device, e.g. 80GiB.")
+@click.option("--json", "as_json", is_flag=True, help="print JSON.")
+@handle_errors
+def compare(devices, specs, budget, as_json, **kwargs):
+    """Compare training strategies for MODEL: the peak per device of each at the same b (per
+    device for data parallelism), against one device.
+
+    Default: one device, bf16 autocast, checkpointing every block, DDP, ZeRO-1/2/3 and a 1F1B
+    pipeline on --devices devices.
+
+    \b
+    Examples:
+      fxmem compare gpt --size gpt2-small --batch 8
+      fxmem compare gpt --batch 8 --devices 8 --budget 80GiB --device cuda
+      fxmem compare mlp --strategy data_parallel=2 --strategy data_parallel=2,sharding=zero3
+    """
+    opts = _options(kwargs)
+    limit = _budget(budget)
+    import estimator
+
+    def run(model, sample, **options):
+        strategies = [_parse_strategy(spec, model) for spec in specs] or None
+        return estimator.compare(model, sample, strategies=strategies, devices=devices, budget=limit, **options)
+
+    result = _estimate(opts, run)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+
+
+@cli.command(epilog=MODEL_HELP, short_help="the strategies that fit a budget per device, best first.")
+@model_options(strategy=False)
+@click.option("--devices", "-n", type=click.IntRange(min=1), default=1, show_default=True, help="devices available.")
+@click.option("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default with --device cuda: the GPU's).")
+@click.option("--json", "as_json", is_flag=True, help="print JSON.")
+@handle_errors
+def plan(devices, budget, as_json, **kwargs):
+    """The strategies whose step of MODEL fits --budget on each of --devices devices, ranked by
+    the most samples per optimizer step they allow.
+
+    \b
+    Examples:
+      fxmem plan gpt --size gpt2-medium --budget 24GiB --devices 4
+      fxmem plan llama --size 7b --device cuda --gpu A100-80GB --devices 8
+    """
+    opts = _options(kwargs)
+    limit = _budget(budget)
+    import estimator
+
+    def run(model, sample, **options):
+        return estimator.plan(model, sample, limit, devices, **options)
+
+    result = _estimate(opts, run)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+
+
+def _parse_strategy(spec: str, model):
+    """``data_parallel=4,sharding=zero3,checkpoint=Block`` -> ``Strategy``."""
+    import dataclasses
+
+    from estimator.errors import InputError
+    from estimator.strategy import Strategy
+
+    fields = {f.name for f in dataclasses.fields(Strategy)}
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise InputError(f"--strategy {spec!r}: expected key=value with keys among {sorted(fields)}, got {item!r}")
+        kwargs[key] = _value(value.strip())
+    checkpoint = kwargs.get("checkpoint")
+    if isinstance(checkpoint, str):
+        types = {type(m).__name__: type(m) for m in model.modules()}
+        kwargs["checkpoint"] = types.get(checkpoint, checkpoint)
+    if isinstance(kwargs.get("split_points"), str):
+        kwargs["split_points"] = tuple(kwargs["split_points"].split("+"))
+    return Strategy(**kwargs)
+
+
+def _value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
 
 
 @cli.command(short_help="the zoo models and their sizes.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,8 +15,9 @@ from estimator.account import CATEGORIES, Timeline, account, fit_timelines
 from estimator.capture.trace import StepSpec, capture
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
-from estimator.report.result import CapturePath, ModuleRow, Piece, Report
-from estimator.strategy import DEFAULT, Strategy, report_type
+from estimator.report.result import CapturePath, ModuleRow, Piece, RankReport, Report
+from estimator.strategy import DEFAULT, Strategy, blocks, select
+from estimator.strategy.ranks import RankStep, per_rank
 from estimator.symbolic import ZERO, NotPolynomial, Poly, nondominated
 from estimator.target import cuda
 from estimator.target.spec import target_spec
@@ -78,12 +80,18 @@ def report(
             (by key), ``{0: {1: "s"}}`` for a tuple (by position), ``{1: "s"}`` for a single
             tensor.  The formulas are then in ``b`` and ``s``; ``Report.at(b, s)``,
             ``max_batch(budget, s=)`` and ``max_seq(budget, b=)`` evaluate and invert them.
-        strategy: an ``estimator.strategy.Strategy`` (train only): ``accumulate=k`` splits the batch ``b``
-            (the optimizer step's) into ``k`` micro-batches of ``b / k`` whose gradients
-            accumulate (``b`` must be a multiple of ``k``; so must every ``b`` given to
-            ``Report.at``, and ``max_batch`` answers one); ``checkpoint=`` a module path, glob,
-            tuple of them or module type whose forward is recomputed in backward
-            (``torch.utils.checkpoint``, ``checkpoint_reentrant`` picks the variant).
+        strategy: an ``estimator.Strategy`` (train only, but for ``amp``): ``accumulate=k``
+            splits the batch ``b`` (the optimizer step's) into ``k`` micro-batches of ``b / k``
+            whose gradients accumulate (``b`` must be a multiple of ``k``; so must every ``b``
+            given to ``Report.at``, and ``max_batch`` answers one); ``checkpoint=`` a module
+            path, glob, tuple of them or module type whose forward is recomputed in backward
+            (``torch.utils.checkpoint``, ``checkpoint_reentrant`` picks the variant);
+            ``amp``/``grad_scaler`` as above; ``master_weights`` fp32 copies of a low-precision
+            model's weights for the optimizer; ``data_parallel=N`` (DDP, or ``sharding=``
+            ZeRO 1/2/3) and ``pipeline=S`` (``microbatches``, ``schedule``, ``split_points``)
+            spread the step over devices: ``b`` is then each data-parallel rank's batch (a
+            pipeline's: the pipeline's), the report is the worst device's and
+            ``Report.ranks`` holds every rank's (see ``estimator.strategy.Strategy``).
 
     Returns:
         A frozen ``Report``.
@@ -98,6 +106,48 @@ def report(
     Known limitations: memory must be polynomial in ``b`` (models whose batch rows interact
     through data-dependent shapes cannot be captured); sample tensors become contiguous.
     """
+    request = _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
+                       dynamic, strategy)
+    return _result(request, _capture_step(request))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """``report()``'s arguments, checked."""
+
+    model: nn.Module
+    sample: Any
+    spec: StepSpec
+    batch: int
+    dynamic: Mapping | None
+    optimizer_name: str | None
+    notes: tuple[str, ...]  # what the checks found worth saying (the default GPU, ...)
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.spec.strategy
+
+    @property
+    def capture_spec(self) -> StepSpec:
+        """What the capture runs: the step of one device at the batch ``b // microbatches`` (a
+        pipeline's micro-batch; the per-device strategies apply to the captured step)."""
+        s = self.spec.strategy
+        single = Strategy(accumulate=s.accumulate, checkpoint=s.checkpoint, checkpoint_reentrant=s.checkpoint_reentrant,
+                          master_weights=s.master_weights)
+        return dataclasses.replace(self.spec, strategy=single)
+
+    @property
+    def microbatches(self) -> int:
+        return self.strategy.microbatches or 1
+
+    @property
+    def capture_key(self) -> tuple:
+        """Requests with equal keys (in one ``compare``) share the captured formulas."""
+        return self.spec.precision, self.capture_spec.strategy
+
+
+def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler, dynamic,
+             strategy) -> _Request:
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     sample_batch = _sample_batch(sample)
@@ -115,12 +165,126 @@ def report(
         raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
     target, notes = target_spec(device_, gpu, alloc_conf)
     factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
-    precision = step.Precision.of(amp, grad_scaler, mode_)
     strategy = _strategy(strategy, mode_, model, batch)
+    if strategy.master_weights:
+        factory = _master_weights(model, factory)
+    amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
+    precision = step.Precision.of(amp, grad_scaler, mode_)
     spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy)
+    if mode_ is Mode.TRAIN and optimizer is None:
+        notes.append("optimizer=None: no optimizer step and no optimizer state")
+    name = _optimizer_name(optimizer) if mode_ is Mode.TRAIN else None
+    return _Request(model, sample, spec, batch, dynamic, name, tuple(notes))
 
-    seq_dims, seq = _seq_dims(sample, dynamic)
-    hint = max(batch, 2)
+
+def _master_weights(model: nn.Module, factory):
+    """The optimizer behind fp32 master weights, for a model with low-precision parameters."""
+    if factory is None:
+        raise InputError("Strategy(master_weights=True) keeps fp32 copies for the optimizer: give an optimizer")
+    dtypes = {p.dtype for p in step.trainable(model) if p.is_floating_point()}
+    if not dtypes - {torch.float32, torch.float64}:
+        raise InputError("Strategy(master_weights=True) keeps fp32 copies of low-precision parameters, but the "
+                         f"model's are {', '.join(sorted(str(d) for d in dtypes)) or 'not floating point'}: "
+                         "cast it first (model.to(torch.bfloat16))")
+    return step.master_weights(factory)
+
+
+def _precision_of(strategy: Strategy, amp, grad_scaler):
+    """``report(amp=, grad_scaler=)`` or the strategy's (they must agree when both are given)."""
+    for name, given, own in (("amp", amp, strategy.amp), ("grad_scaler", grad_scaler, strategy.grad_scaler)):
+        if given is not None and own is not None and given != own:
+            raise InputError(f"report({name}={given!r}) and Strategy({name}={own!r}) disagree: give one")
+    return (amp if amp is not None else strategy.amp,
+            grad_scaler if grad_scaler is not None else strategy.grad_scaler)
+
+
+def _result(request: _Request, step_: _Captured) -> Report:
+    """The report of ``request`` from its captured step: one device's, or every rank's."""
+    spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
+    notes = [*request.notes, *step_.notes]
+    if spec.target.is_cuda:
+        notes.append(cuda.not_modelled_note())
+    if strategy.multiple > 1:
+        notes.append(_batch_note(strategy))
+    common = {
+        "model": type(model).__name__,
+        "mode": spec.mode,
+        "device": spec.target.device.value,
+        "optimizer": request.optimizer_name,
+        "batch": batch,
+        "path": step_.path,
+        "valid_from": step_.valid_from,
+        "valid_to": step_.valid_to,
+        "guards": step_.guards,
+        "graph": step_.graph,
+        "batch_outside_range": step_.outside,
+        "target": spec.target,
+        "seq": step_.seq,
+        "seq_range": step_.seq_range or (2, None),
+        "multiple": strategy.multiple,
+        "strategy": strategy,
+    }
+    if not strategy.distributed:
+        return _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
+
+    def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
+        return poly(batch, step_.seq) if poly.has_s else poly(batch)
+
+    ranks = per_rank(step_.timeline, model, strategy, spec.target, at)
+    at_batch = per_rank(step_.at_batch, model, strategy, spec.target, at) if step_.outside else ranks
+    per = tuple(
+        RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, step_, {**common, "notes": ()}))
+        for r, a in zip(ranks, at_batch)
+    )
+    worst = max(per, key=lambda r: (r.report.peak_bytes if r.report.cuda is None else r.report.cuda.device))
+    pieces = [p for r in per for p in r.report.pieces]
+    keep = nondominated([p.bytes for p in pieces], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+    """The captured step: the formula timeline, the one at the report's batch and where the
+    formula holds."""
+
+    timeline: Timeline
+    at_batch: Timeline  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
+    path: CapturePath
+    valid_from: int
+    valid_to: int | None
+    guards: tuple[str, ...]
+    graph: Any
+    seq: int | None
+    seq_range: tuple[int, int | None] | None
+    outside: bool
+    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
+
+    @property
+    def seq_range_lo(self) -> int:
+        return (self.seq_range or (0,))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Formula:
+    """The captured single-device step as formulas (before any batch is evaluated)."""
+
+    timeline: Timeline
+    path: CapturePath
+    valid_from: int
+    valid_to: int | None
+    guards: tuple[str, ...]
+    graph: Any
+    seq: int | None
+    seq_range: tuple[int, int | None] | None
+    notes: tuple[str, ...]
+
+
+def _capture_formula(request: _Request) -> _Formula:
+    """Capture the step symbolically (b, and s when ``dynamic``), falling back to b alone and
+    then to fitted concrete captures.  Requests with the same ``capture_key`` share it."""
+    model, sample, spec, notes = request.model, request.sample, request.capture_spec, []
+    seq_dims, seq = _seq_dims(sample, request.dynamic)
+    hint = max(request.batch // request.microbatches, 2)
     if hint == seq:
         hint += 1  # equal hints would make b and s one symbol (duck sizing)
     graph, seq_range = None, None
@@ -135,6 +299,8 @@ def report(
             seq = None
             raw = capture(model, sample, spec, hint, symbolic=True)
         timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
+        if raw.rounded:
+            notes.append(_rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
@@ -145,59 +311,81 @@ def report(
             notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
             seq = None
     _annotate(graph, timeline)
-    in_b = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
+    return _Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes))
+
+
+def _capture_step(request: _Request, formula: _Formula | None = None) -> _Captured:
+    """The captured step of ``request`` (``formula``: its capture, when shared): evaluated at the
+    request's batch -- a concrete capture there when it lies outside the formula's range -- and,
+    for a pipeline, turned into formulas in the pipeline's batch."""
+    formula = formula or _capture_formula(request)
+    timeline, seq, notes = formula.timeline, formula.seq, list(formula.notes)
+    m = request.microbatches
+    batch = request.batch // m
+    valid_from, valid_to = formula.valid_from, formula.valid_to
+    at_batch = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
+    outside = batch < valid_from or (valid_to is not None and batch > valid_to)
+    if outside:  # the formula does not hold here: capture this batch size itself
+        at_batch = account(capture(request.model, request.sample, request.capture_spec, batch, symbolic=False))
+        notes.append(f"b={request.batch} is outside the formula's range; its numbers come from a capture at "
+                     f"b={request.batch}")
+    if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
+        try:
+            timeline, at_batch = _per_micro(timeline, m), _per_micro(at_batch, m)
+        except NotPolynomial:
+            timeline, at_batch = _per_micro(timeline, m, True), _per_micro(at_batch, m, True)
+            notes.append(_rounded_note(m))
+        valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
+    return _Captured(timeline, at_batch, formula.path, valid_from, valid_to, formula.guards, formula.graph, seq,
+                     formula.seq_range, outside, tuple(notes))
+
+
+def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: _Captured, common: dict) -> Report:
+    """The report of one device's step: the peak's pieces (formulas), the peak at the batch
+    with its breakdown, module rows and, on CUDA, the allocator's view."""
+    target, batch, seq = common["target"], common["batch"], common["seq"]
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
     candidates = _candidates(timeline)
-    keep = nondominated([poly for poly, _ in candidates], valid_from, valid_to, (seq_range or (0,))[0])
+    keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
     pieces = tuple(_piece(timeline, *candidates[i][1], fixed) for i in keep)
-
-    outside = batch < valid_from or (valid_to is not None and batch > valid_to)
-    at_batch = in_b
-    if outside:  # the formula does not hold here: capture this batch size itself
-        at_batch = account(capture(model, sample, spec, batch, symbolic=False))
-        notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
     _, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
-    formulas = timeline if not outside else at_batch  # in b (and s) where the formula holds
+    formulas = timeline if not step_.outside else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
-
-    if mode_ is Mode.TRAIN and optimizer is None:
-        notes.append("optimizer=None: no optimizer step and no optimizer state")
-    on_device = None
-    if target.is_cuda:
-        on_device = cuda.predict(at_batch, batch, target)
-        notes.append(cuda.not_modelled_note())
-    extra = {"accumulate": strategy.accumulate} if strategy.accumulate > 1 else {}
-    if strategy.accumulate > 1:
-        notes.append(f"gradient accumulation: {strategy.accumulate} micro-batches of b/{strategy.accumulate} "
-                     f"per optimizer step; b must be a multiple of {strategy.accumulate}")
-    return report_type(strategy)(
-        **extra,
-        model=type(model).__name__,
-        mode=mode_,
-        device=device_,
-        optimizer=_optimizer_name(optimizer) if mode_ is Mode.TRAIN else None,
-        batch=batch,
+    on_device = cuda.predict(at_batch, batch, target) if target.is_cuda else None
+    return Report(
+        **common,
         peak_bytes=sum(breakdown.values()) if on_device is None else on_device.allocated,
         pieces=pieces,
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
         peak_piece=_piece(formulas, peak_index, peak_k, fixed),
-        path=path,
-        valid_from=valid_from,
-        valid_to=valid_to,
-        guards=guards,
         modules=_module_rows(model, at_batch, peak_index),
-        notes=tuple(notes),
         timeline=timeline,
-        graph=graph,
-        batch_outside_range=outside,
-        target=target,
         cuda=on_device,
-        seq=seq,
-        seq_range=seq_range or (2, None),
     )
+
+
+def _per_micro(timeline: Timeline, m: int, round_up: bool = False) -> Timeline:
+    """``timeline`` of micro-batches of ``b / m`` rows: its storages' and scratch bytes mapped by
+    ``Poly.per_micro``, the live bytes recomputed from them."""
+    return RankStep.of(timeline).per_micro(m, round_up).timeline()
+
+
+def _rounded_note(k: int, examples: tuple[str, ...] = ()) -> str:
+    shown = f" (e.g. a tensor of {examples[0]} bytes for a micro-batch of b rows)" if examples else ""
+    return (f"some tensors' bytes per sample are not a multiple of {k}{shown}: their coefficients in b (the step's "
+            f"batch, {k} micro-batches of b/{k}) are rounded up, so the formula may be high by less than b bytes "
+            "per such tensor")
+
+
+def _batch_note(strategy: Strategy) -> str:
+    k = strategy.multiple
+    if strategy.pipeline > 1:
+        return (f"pipeline: {strategy.microbatches} micro-batches of b/{strategy.microbatches} per step; "
+                f"b must be a multiple of {k}")
+    return f"gradient accumulation: {k} micro-batches of b/{k} per optimizer step; b must be a multiple of {k}"
 
 
 def _strategy(strategy: Strategy | None, mode: Mode, model: nn.Module, batch: int) -> Strategy:
@@ -206,10 +394,15 @@ def _strategy(strategy: Strategy | None, mode: Mode, model: nn.Module, batch: in
         return DEFAULT
     if not isinstance(strategy, Strategy):
         raise InputError(f"strategy must be an estimator.strategy.Strategy, got {type(strategy).__name__}")
-    if mode is not Mode.TRAIN and not strategy.is_default:
-        raise InputError("strategy: gradient accumulation and activation checkpointing apply to mode='train' only")
+    if mode is not Mode.TRAIN and dataclasses.replace(strategy, amp=None, grad_scaler=None) != DEFAULT:
+        raise InputError(f"strategy={strategy.describe()!r}: strategies apply to mode='train' only")
     strategy.check_batch(batch)
     strategy.checkpointed(model)
+    select(model, strategy.shard_modules, "shard_modules")
+    if strategy.pipeline > 1 and (strategy.split_points is not None or len(blocks(model)) < strategy.pipeline):
+        from estimator.strategy import pipeline
+
+        pipeline.split(model, strategy)  # the cut's errors before the capture
     return strategy
 
 

@@ -294,6 +294,46 @@ def inference_step(
         return call_model(model, sample)
 
 
+class MasterWeights:
+    """fp32 master weights for low-precision parameters (the recipe of apex's O2 / Megatron's
+    ``Float16OptimizerWithFloat16Params``): the optimizer updates fp32 copies of the parameters,
+    and its state is fp32; at ``step()`` every gradient is copied to fp32 first (all alive
+    during the update), then the masters are copied back into the parameters.
+
+    ``state[p]`` is ``{"master": the fp32 copy, **the inner optimizer's state of it}`` (what
+    ``state_tensors`` and the estimator read as optimizer state of ``p``)."""
+
+    def __init__(self, params, factory: OptimizerFactory):
+        self.params = list(params)
+        self.masters = [nn.Parameter(p.detach().to(torch.float32)) for p in self.params]
+        self.inner = factory(self.masters)
+        self.param_groups = [{**group, "params": self.params} for group in self.inner.param_groups[:1]]
+        self.defaults = self.inner.defaults
+
+    @property
+    def state(self) -> dict:
+        return {p: {"master": m, **self.inner.state.get(m, {})} for p, m in zip(self.params, self.masters)}
+
+    def step(self, closure=None):
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+        for m in self.masters:
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def master_weights(factory: OptimizerFactory) -> OptimizerFactory:
+    """``factory`` behind fp32 master weights (``MasterWeights``)."""
+    return lambda params: MasterWeights(params, factory)
+
+
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -319,7 +359,7 @@ def prepare(
     if not params:
         raise InputError("mode='train' but no parameter requires grad: nothing to train")
     opt = optimizer(params)
-    if not isinstance(opt, torch.optim.Optimizer):
+    if not isinstance(opt, (torch.optim.Optimizer, MasterWeights)):
         raise InputError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
     return Prepared(opt, scaler)
 
@@ -338,7 +378,7 @@ def run(
     """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``)."""
     if mode is Mode.TRAIN:
         return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy)
-    if not strategy.is_default:
+    if strategy.accumulate > 1 or strategy.checkpoint is not None:
         raise InputError("gradient accumulation and activation checkpointing apply to mode='train' only")
     return inference_step(model, sample, on_phase, precision)
 

@@ -133,6 +133,18 @@ class Poly:
         mine, theirs = {(i, j): c for i, j, c in self.mixed}, {(i, j): c for i, j, c in other.mixed}
         return all(mine.get(k, 0) >= theirs.get(k, 0) for k in mine.keys() | theirs.keys())
 
+    def per_micro(self, m: int, round_up: bool = False) -> Poly:
+        """The polynomial of ``b`` equal to ``self(b / m)``: a step of micro-batches of ``b / m``
+        rows (``NotPolynomial`` unless ``m**i`` divides each coefficient of ``b**i``; with
+        ``round_up`` the coefficients are rounded up instead: an upper bound)."""
+        if m == 1:
+            return self
+        terms = [(i, 0, c) for i, c in enumerate(self.coeffs)] + list(self.mixed)
+        if not round_up and any(c % m**i for i, _, c in terms):
+            raise NotPolynomial(f"{self} at b/{m} has non-integer coefficients")
+        return _make(tuple(-(-c // m**i) for i, c in enumerate(self.coeffs)),
+                     tuple((i, j, -(-c // m**i)) for i, j, c in self.mixed))
+
     def shifted(self, db: int, ds: int = 0) -> Poly:
         """The polynomial of ``(x, y)`` equal to ``self(x + db, y + ds)``."""
         out: dict[tuple[int, int], int] = {}

@@ -196,13 +196,13 @@ def test_fit_when_nothing_fits():
 @uses("help")
 def test_help_lists_commands_and_examples(runs):
     out = ok(runs, "help").stdout
-    for command in ("report", "formula", "fit", "models"):
+    for command in ("report", "formula", "fit", "compare", "plan", "models"):
         assert f"  {command} " in out
     assert "Examples:" in out and "fxmem report gpt --size gpt2-small --batch 8" in out
     assert "Exit codes:" in out
 
 
-@pytest.mark.parametrize("command", ["report", "formula", "fit", "models"])
+@pytest.mark.parametrize("command", ["report", "formula", "fit", "compare", "plan", "models"])
 def test_each_commands_help_has_examples(command):
     result = CliRunner().invoke(cli, [command, "--help"])
     assert result.exit_code == 0
@@ -304,6 +304,51 @@ def test_amp_flag():
     assert result.exit_code == 0, result.output
     fp32 = CliRunner().invoke(cli, ["report", "mlp", "--json", "-q"])
     assert json.loads(result.stdout)["peak_bytes"] != json.loads(fp32.stdout)["peak_bytes"]
+
+
+def test_strategy_flags_reach_the_report():
+    # --dp 2: DDP replicas, each b = 8 plus the gradient buckets (all the zoo mlp's parameters)
+    model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
+    rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn,
+                           strategy=estimator.Strategy(data_parallel=2, checkpoint="body.*"))
+    result = CliRunner().invoke(cli, ["report", "mlp", "--dp", "2", "--checkpoint", "body.*", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["peak_bytes"] == rep.peak_bytes and data["strategy"] == "DDP x2 + checkpoint body.*"
+    assert [r["role"] for r in data["ranks"]] == ["replica"] and data["ranks"][0]["ranks"] == [0, 1]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--zero", "3"], "give data_parallel >= 2"),
+    (["--checkpoint", "Nope"], "no module 'Nope'"),
+    (["--accumulate", "3"], "multiple of 3"),
+    (["--microbatches", "2"], "give pipeline >= 2"),
+])
+def test_bad_strategy_flags_name_the_setting(args, message):
+    result = CliRunner().invoke(cli, ["report", "mlp", *args, "-q"])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_compare_and_plan():
+    specs = ["--strategy", "data_parallel=2", "--strategy", "data_parallel=2,sharding=zero1"]
+    result = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--budget", "1MiB", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    rows = {r["label"]: r for r in json.loads(result.stdout)["rows"]}
+    assert list(rows) == ["single device", "DDP x2", "ZeRO-1 x2"]
+    assert rows["single device"]["saving"] == 0 and rows["DDP x2"]["samples_per_step"] == 16
+    # ZeRO-1 is DDP (buckets too) with half the optimizer state per rank
+    assert rows["DDP x2"]["peak_bytes"] > rows["ZeRO-1 x2"]["peak_bytes"] > rows["single device"]["peak_bytes"]
+    assert all(r["max_batch"] > 0 for r in rows.values())
+    text = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "-q"]).stdout
+    assert "ZeRO-1 x2" in text and "baseline" in text
+    bad = CliRunner().invoke(cli, ["compare", "mlp", "--strategy", "ranks=2", "-q"])
+    assert bad.exit_code == 2 and "expected key=value" in bad.stderr
+    plan = CliRunner().invoke(cli, ["plan", "mlp", "-n", "2", "--budget", "1MiB", "--json", "-q"])
+    assert plan.exit_code == 0, plan.output
+    ranked = json.loads(plan.stdout)["rows"]
+    samples = [r["max_batch"] * (2 if r["devices"] == 2 and "pipeline" not in r["label"] else 1) for r in ranked]
+    assert samples == sorted(samples, reverse=True) and ranked[0]["fits"] is not None
+    assert CliRunner().invoke(cli, ["plan", "mlp", "-q"]).exit_code == 2  # no budget on CPU
 
 
 @uses("integration-bad-name")

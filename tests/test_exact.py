@@ -72,7 +72,7 @@ def test_mlp_inference(b):
     assert rep.peak_piece.op == "aten.relu.default"
     assert rep.breakdown == {
         C.PARAMETER: 3232, C.BUFFER: 0, C.INPUT: 64 * b, C.GRADIENT: 0,
-        C.OPTIMIZER_STATE: 0, C.ACTIVATION: 0, C.TEMPORARY: 256 * b,
+        C.OPTIMIZER_STATE: 0, C.COMMUNICATION: 0, C.ACTIVATION: 0, C.TEMPORARY: 256 * b,
     }
     assert measure_cpu(mlp(), linear_x(b), mode="inference").peak_bytes == 320 * b + 3232
 
@@ -92,6 +92,7 @@ def test_linear_sgd(b):
         C.PARAMETER: 272, C.BUFFER: 0, C.INPUT: 64 * b,
         C.GRADIENT: 256 + 16,                # grad_W + grad_bias
         C.OPTIMIZER_STATE: 0,                # plain SGD keeps no state
+        C.COMMUNICATION: 0,                  # one device
         C.ACTIVATION: 16 * b + 4,            # out + loss
         C.TEMPORARY: 4 + 16 * b,             # ones_like(loss) + grad_out
     }

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from validators import zoo
+from validators import strategies, zoo
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,8 @@ def main(argv=None) -> int:
               f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
         rows.append(row)
     command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
-    args.markdown.write_text(zoo.to_markdown(rows, command))
+    kept = strategies.kept_section(args.markdown)  # python -m validators.strategies's section
+    args.markdown.write_text(zoo.to_markdown(rows, command) + ("\n" + kept if kept else ""))
     args.json.write_text(json.dumps(zoo.to_json(rows), indent=1) + "\n")
     stats = zoo.summary(rows)
     print(f"median |error| {stats['median_abs_error_pct']:.3f} %, max {stats['max_abs_error_pct']:.3f} %")

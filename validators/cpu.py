@@ -66,10 +66,14 @@ def measure_cpu(
     the same precision (``amp``, ``grad_scaler`` as in ``estimator.report``).  A measured step
     whose ``GradScaler`` found inf/nan gradients (and skipped ``optimizer.step()``) raises: the
     estimator predicts the step with finite gradients.  ``strategy``: an
-    ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing).
+    ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing, autocast,
+    fp32 master weights).
     """
     strategy = strategy or step.DEFAULT
-    precision = step.Precision.of(amp, grad_scaler, Mode(mode))
+    if strategy.master_weights:
+        optimizer = step.master_weights(step.optimizer_factory(optimizer))
+    precision = step.Precision.of(amp or strategy.amp, strategy.grad_scaler if grad_scaler is None else grad_scaler,
+                                  Mode(mode))
     mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision, strategy)
     baseline = baseline_bytes(model, opt, sample, scaler)
     scale = None if scaler is None else scaler.get_scale()

@@ -25,10 +25,13 @@ storages of ``estimator.step.state_tensors`` (parameters, buffers, optimizer sta
 DTensors as their local shard); ``wrapper_bytes`` is the rest: DDP's gradient buckets,
 pipeline receive buffers, ...
 
-Strategies:
+Strategies (every one but the pipelines takes ``step=``: an ``estimator.Strategy`` whose
+accumulation, checkpointing and autocast each rank's step applies):
     single          world 1, no wrapper: the baseline (run it at the per-rank batch).
     ddp             DistributedDataParallel, per-rank batch = batch / world.
                     options: bucket_cap_mb, gradient_as_bucket_view (passed to DDP).
+    zero1           DDP + ``ZeroRedundancyOptimizer`` (the optimizer class and defaults of
+                    ``optimizer``); options as ddp.
     fsdp2           ``fully_shard`` on each block, then on the root, per-rank batch =
                     batch / world.  options: reshard_after_forward, blocks (a callable
                     model -> list of modules; default: the children with parameters of the
@@ -72,7 +75,7 @@ _PRELOAD = (
     "torch.profiler",
     "validators.distributed",
 )
-STRATEGIES = ("single", "ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp2", "pipeline-gpipe", "pipeline-1f1b")
 Build = Callable[[], tuple[nn.Module, Callable[[int], Any], Any]]
 
 
@@ -133,7 +136,7 @@ def measure_ranks(
         raise ValueError("strategy 'single' runs one process: world_size must be 1")
     if world_size < 1 or batch < 1:
         raise ValueError(f"world_size and batch must be >= 1, got {world_size}, {batch}")
-    if strategy in ("ddp", "fsdp2") and batch % world_size:
+    if strategy in ("ddp", "zero1", "fsdp2") and batch % world_size:
         raise ValueError(f"{strategy}: batch {batch} does not split over {world_size} ranks")
     import pickle
 
@@ -271,8 +274,9 @@ def _report_cpu_memory_usage() -> None:
     ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
-def _allocations(prof) -> list[tuple[int, int, int]]:
-    """The CPU allocator events ``(time_ns, delta, total_allocated)``, sorted by time."""
+def _allocations(prof) -> list[tuple[int, int, int, str]]:
+    """The CPU allocator events ``(time_ns, delta, total_allocated, op)``, sorted by time
+    (``op``: the innermost op or Python function the profiler saw around it)."""
     from torch._C._profiler import _EventType
 
     events = []
@@ -281,7 +285,9 @@ def _allocations(prof) -> list[tuple[int, int, int]]:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+            parent = node.parent
+            events.append((node.start_time_ns, fields.alloc_size, fields.total_allocated,
+                           parent.name if parent is not None else ""))
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
     return events
@@ -326,8 +332,12 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
     loss_fn = loss_fn or step.default_loss
     factory = step.optimizer_factory(optimizer)
     options = dict(options)
+    single = options.pop("step", None) or step.DEFAULT  # accumulation, checkpointing, autocast in each rank
+    precision = step.Precision.of(single.amp, single.grad_scaler, Mode.TRAIN)
 
     if strategy.startswith("pipeline"):
+        if single != step.DEFAULT:
+            raise ValueError(f"{strategy}: the step= option is not supported for pipelines")
         model, role, run, state_model, sample, local_batch, opt = _pipeline(
             rank, world, strategy, model, sample_fn, loss_fn, batch, factory, options
         )
@@ -337,11 +347,14 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
         if isinstance(model, nn.Sequential):  # sample (input, target): feed the input only
             model = _InputOnly(model)
         role = "single"
-        if strategy == "ddp":
+        if strategy in ("ddp", "zero1"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             model = DDP(model, **options)
             role = "replica"
+            if strategy == "zero1":
+                factory = _zero1(factory)
+                role = f"optimizer shard {rank}/{world}"
         elif strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -354,11 +367,12 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
             role = f"shard {rank}/{world}"
         elif options:
             raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(options)}")
-        opt, _ = step.prepare(model, Mode.TRAIN, factory)
+        opt, scaler = step.prepare(model, Mode.TRAIN, factory, precision)
         state_model = model
 
         def run():
-            return step.run(model, sample, Mode.TRAIN, opt, loss_fn)
+            return step.run(model, sample, Mode.TRAIN, opt, loss_fn, precision=precision, scaler=scaler,
+                            strategy=single)
 
     for _ in range(warmup):
         del_result = run()
@@ -372,20 +386,22 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
     if not events:
         raise RuntimeError("the profiler recorded no CPU allocation in the measured step")
     # the allocator's total counts every block allocated since _report_cpu_memory_usage()
-    _, delta, total = events[0]
+    _, delta, total, _ = events[0]
     baseline = total - delta
-    peak = max(0, *(total - baseline for _, _, total in events))
+    peak = max(0, *(total - baseline for _, _, total, _ in events))
+    at = next(i for i, e in enumerate(events) if e[2] - baseline == peak) if peak else 0
     running = profiled_peak = 0
     for _, d in cpu._allocation_deltas(prof):
         running += d
         profiled_peak = max(profiled_peak, running)
     wrapper = baseline - sum(state.values())
-    details: dict[str, Any] = {}
-    if strategy == "ddp":
+    # the allocator events up to the peak, for explaining a difference: (bytes, total - baseline, op)
+    details: dict[str, Any] = {"events": [(d, t - baseline, op) for _, d, t, op in events[:at + 1]]}
+    if strategy in ("ddp", "zero1"):
         # the reducer's buckets as they are now (rebuilt in the gradients' ready order after
         # the first iteration); _get_ddp_logging_data()'s bucket_sizes keeps the initial ones
         buckets = model.reducer._get_zeros_like_grad_buckets()
-        details = {
+        details |= {
             "bucket_sizes": [b.buffer().numel() * b.buffer().element_size() for b in buckets],
             "gradient_as_bucket_view": bool(model.gradient_as_bucket_view),
         }
@@ -408,6 +424,22 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
     )
 
 
+def _zero1(factory):
+    """``ZeroRedundancyOptimizer`` with the class and defaults of ``factory``'s optimizer."""
+    import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    accepted = inspect.signature(type(probe).__init__).parameters
+    defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
+
+    def make(params):
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=type(probe), **defaults)
+
+    return make
+
+
 def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, options):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -415,6 +447,9 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
         raise TypeError(f"{strategy} cuts an nn.Sequential into stages; got {type(model).__name__}")
     microbatches = options.pop("microbatches", world)
     starts = _split(model, world, options.pop("split_points", None))
+    # checkpoint: a module type whose instances run under torch.utils.checkpoint (non-reentrant),
+    # as estimator.strategy.Strategy(checkpoint=) does
+    checkpoint = options.pop("checkpoint", None)
     if options:
         raise ValueError(f"{strategy}: unknown options {sorted(options)}")
     if batch % microbatches:
@@ -439,10 +474,22 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     schedule = schedule_cls(stage, n_microbatches=microbatches, loss_fn=stage_loss)
     opt, _ = step.prepare(submod, Mode.TRAIN, factory)
 
+    if checkpoint is not None:
+        from estimator.strategy import Strategy
+        from estimator.strategy.spec import checkpointing
+
+        recompute = Strategy(checkpoint=checkpoint)
+    else:
+        recompute = None
+
     def run():
         args = (held[0],) if first else ()
         kwargs = {"target": held[1], "losses": []} if last else {}
-        out = schedule.step(*args, **kwargs)
+        if recompute is None:
+            out = schedule.step(*args, **kwargs)
+        else:
+            with checkpointing(submod, recompute):
+                out = schedule.step(*args, **kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out

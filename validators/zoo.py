@@ -79,14 +79,14 @@ def to_markdown(rows: list[Row], command: str) -> str:
     lines = [
         "# Validation on CPU",
         "",
-        "Predicted peak (`estimator.report(...).peak_bytes`, device `cpu`) against the peak measured "
+        ("Predicted peak (`estimator.report(...).peak_bytes`, device `cpu`) against the peak measured "
         "from PyTorch's CPU allocator (profiler memory events + bytes alive at the start of the "
-        f"step), optimizer `{OPTIMIZER}`, every zoo model in its `debug` size.",
+        f"step), optimizer `{OPTIMIZER}`, every zoo model in its `debug` size."),
         "",
         f"Reproduce: `{command}`",
         "",
-        f"**{stats['cases']} cases: median |error| {stats['median_abs_error_pct']:.3f} %, "
-        f"max |error| {stats['max_abs_error_pct']:.3f} %, {stats['within_0.5pct']} within 0.5 %.**",
+        (f"**{stats['cases']} cases: median |error| {stats['median_abs_error_pct']:.3f} %, "
+        f"max |error| {stats['max_abs_error_pct']:.3f} %, {stats['within_0.5pct']} within 0.5 %.**"),
         "",
         "| model | mode | batch | predicted (B) | measured (B) | error | capture | estimate time |",
         "|---|---|---:|---:|---:|---:|---|---:|",

@@ -57,6 +57,10 @@ class RawCapture:
     valid_to: int | None
     guards: tuple[str, ...]
     seq_range: tuple[int, int | None] | None = None  # where the formula holds in s (s symbolic)
+    grad_order: tuple[str, ...] = ()  # parameters in the order AccumulateGrad gave them a gradient
+    # micro-batch byte counts (in the micro-batch's rows b) whose per-row bytes the number of
+    # micro-batches does not divide: their coefficients in the step's b were rounded up
+    rounded: tuple[str, ...] = ()
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -73,12 +77,13 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     (``CaptureError`` otherwise); the range of ``b`` is ``k`` times that of ``m``.
     """
     k = spec.strategy.accumulate
-    if not symbolic and batch % k:
-        raise CaptureError(f"accumulate={k}: the concrete capture at b={batch} needs a multiple of {k}")
-    micro = max(batch // k, 2) if symbolic else batch // k
-    if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
-        sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
-                 for d in seq_dims.get(id(t), ())}
+    d = spec.strategy.multiple  # the captured symbol is one micro-batch: b / d
+    if not symbolic and batch % d:
+        raise CaptureError(f"{spec.strategy.describe()}: the concrete capture at b={batch} needs a multiple of {d}")
+    micro = max(batch // d, 2) if symbolic else batch // d
+    if symbolic and d > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
+        sizes = {t.shape[d_] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
+                 for d_ in seq_dims.get(id(t), ())}
         while micro in sizes:
             micro += 1
     shape_env = ShapeEnv() if symbolic else None
@@ -105,7 +110,8 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         on_host = _host_state(spec, optimizer)
         for category, tensors in step.state_tensors(fmodel, optimizer, fsample, scaler).items():
             tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
-        with tracker, _module_hooks(tracker):
+        _name_owners(tracker, fmodel, optimizer)
+        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order:
             result = step.run(
                 fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler,
                 spec.strategy,
@@ -120,8 +126,10 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
-        return RawCapture(tracker.ops, storages, graph, batch, batch, ())
-    return _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k)
+        return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order))
+    raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, d)
+    raw.grad_order = tuple(grad_order)
+    return raw
 
 
 @contextlib.contextmanager
@@ -201,7 +209,7 @@ def _host_state(spec: StepSpec, optimizer) -> set[int]:
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
-    return Storage(nbytes, storage.category, storage.op)  # extra folded into nbytes
+    return Storage(nbytes, storage.category, storage.op, owner=storage.owner)  # extra folded into nbytes
 
 
 def _batch_symbols(fsample) -> tuple[set[sympy.Symbol], set[sympy.Symbol]]:
@@ -288,6 +296,7 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
     lo, hi = k * lo, None if hi is None else k * hi
     seq_lo, seq_hi = _symbol_range(shape_env, seq, "sequence length", SequenceNotSymbolic)
     micro = B / k if k > 1 else B
+    rounded: list[str] = []  # micro-batch byte counts whose coefficients were rounded up
     to_b = {shape_env.replace(s): micro for s in batch} | {s: micro for s in batch}
     to_b |= {shape_env.replace(s): S for s in seq} | {s: S for s in seq}
     exprs = [g.expr.xreplace(to_b) for g in shape_env.guards if g.expr.free_symbols & set(to_b)]
@@ -302,12 +311,9 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
         try:
             return Poly.of(expr)
         except NotPolynomial as exc:
-            if k > 1 and _integer_in_micro(expr, k):
-                raise CaptureError(
-                    f"accumulate={k}: {sympy.expand(expr)} bytes (a tensor of {sympy.expand(expr.xreplace({B: k * B}))}"
-                    f" bytes for a micro-batch of b rows) is not an integer polynomial in the batch b: choose an "
-                    f"accumulate that divides the per-sample bytes"
-                ) from exc
+            if k > 1 and _integer_in_micro(expr, k):  # bytes per row not a multiple of k: round up
+                rounded.append(str(sympy.expand(expr.xreplace({B: k * B}))))
+                return Poly.of(_ceil_coefficients(expr))
             if bound:  # a kernel's buffer estimate (correction): its polynomial upper bound will do
                 try:
                     return Poly.of(_ceil_coefficients(_upper_bound(expr)))
@@ -324,7 +330,8 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
         op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
     for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
         node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
-    return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None)
+    return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None,
+                      rounded=tuple(dict.fromkeys(rounded)))
 
 
 def _integer_in_micro(expr, k: int) -> bool:
@@ -357,10 +364,11 @@ def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: 
                 storage.category = Category.ACTIVATION
     elif phase_ended is Phase.BACKWARD:
         tracker.params_with_grad = set()
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.grad is not None:
                 tracker.params_with_grad.add(id(p))
                 _relabel(tracker, p.grad, Category.GRADIENT)
+                _own(tracker, p.grad, name)
     if optimizer is not None:
         for state in optimizer.state.values():
             for t in tree_flatten(state)[0]:
@@ -388,6 +396,40 @@ def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
     key = tracker.key_of(t)
     if key is not None and tracker.storages[key].op >= 0:
         tracker.storages[key].category = category
+
+
+def _name_owners(tracker: Tracker, model: nn.Module, optimizer) -> None:
+    """``Storage.owner``: the parameter name of each parameter storage and of its optimizer
+    state (gradients are named when backward ends): what sharding and pipeline stages divide by
+    parameter."""
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for t in [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]:
+            _own(tracker, t, name)
+
+
+def _own(tracker: Tracker, t: torch.Tensor, name: str) -> None:
+    key = tracker.key_of(t)
+    if key is not None and key in tracker.storages and tracker.storages[key].owner is None:
+        tracker.storages[key].owner = name
+
+
+@contextlib.contextmanager
+def _grad_order(model: nn.Module):
+    """The names of the parameters in the order their ``AccumulateGrad`` ran (where DDP's reducer
+    hooks in), first time each; hooks removed on exit."""
+    order: dict[str, None] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _, name=name: order.setdefault(name))
+        for name, p in model.named_parameters() if p.requires_grad
+    ]
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        for handle in handles:
+            handle.remove()
+        names += order
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ class Storage:
     category: Category
     op: int  # index of the op that allocated it; -1 for state alive before the step
     extra: Any = 0  # bytes a correction adds (the real kernel's buffer beyond the meta kernel's)
+    owner: str | None = None  # the parameter a parameter, gradient or optimizer-state storage belongs to
 
 
 @dataclass
@@ -48,6 +49,7 @@ class OpEvent:
     allocs: list[int] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)  # freed after this op, before the next
     scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
+    owner: str | None = None  # optimizer phase: the one parameter whose tensors this op reads or writes
 
 
 def _storage_id(storage: torch.UntypedStorage) -> int:
@@ -137,7 +139,7 @@ class Tracker(TorchDispatchMode):
         module = self._current_module()
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():
             # The autograd node of this op was created just before dispatch.
-            self._module_of_seq[torch._C._autograd._get_sequence_nr() - 1] = module
+            self._module_of_seq.setdefault(torch._C._autograd._get_sequence_nr() - 1, module)
         fix = corrections.lookup(func, args, kwargs, out, self.spec)
         if fix.outputs is not None:
             out = fix.outputs
@@ -150,6 +152,30 @@ class Tracker(TorchDispatchMode):
             if key is not None:
                 event.allocs.append(key)
         event.scratch = tuple(as_expr(x) for x in fix.scratch)
+        if self.phase is Phase.OPTIMIZER:
+            event.owner = self._own_outputs(args, outputs, event.allocs)
         return out
+
+    def _owner(self, t) -> str | None:
+        key = self.key_of(t) if isinstance(t, torch.Tensor) else None
+        return None if key is None else self.storages[key].owner
+
+    def _own_outputs(self, args, outputs: list[torch.Tensor], new: list[int]) -> str | None:
+        """Name the parameter an optimizer temporary is computed for: the output ``i`` of a
+        foreach op belongs to the owner of element ``i`` of its first tensor list; the outputs
+        of any other op to the one owner of its tensor arguments (none when they mix).  Returns
+        the op's owner: that one owner (None for foreach ops and mixes)."""
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        found = {self._owner(t) for t in tree_flatten(args)[0]} - {None}
+        single = found.pop() if len(found) == 1 and not lists else None
+        if lists and len(outputs) == len(lists[0]):
+            owners = [self._owner(t) for t in lists[0]]
+        else:
+            owners = [single] * len(outputs)
+        for t, owner in zip(outputs, owners):
+            key = self.key_of(t)
+            if key in new and owner is not None:
+                self.storages[key].owner = owner
+        return single
 
 

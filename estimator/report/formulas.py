@@ -65,7 +65,9 @@ def to_markdown(rep) -> str:
     """The peak formula and a table of the categories at the peak, as formulas and at ``batch``."""
     peak = " , ".join(f"`{p.expr}`" for p in rep.pieces)
     lines = [
-        (f"**Peak memory of one {rep.mode.value} step of `{rep.model}`** (bytes; b = batch size; "
+        (f"**Peak memory of one {rep.mode.value} step of `{rep.model}`**"
+         + (f" with {rep.strategy.describe()}" if rep.strategy.describe() != "single device" else "")
+         + " (bytes; b = batch size; "
          + ("s = sequence length; " if rep.seq is not None else "")
          + f"{rep.path.value} capture, valid for {range_text(rep)}):"),
         "",
@@ -80,6 +82,13 @@ def to_markdown(rep) -> str:
             lines.append(f"| {category.value} | `{poly.expr}` | `{_mib(poly)}` | {poly(rep.batch, rep.seq):,} |")
     total = sum(rep.breakdown_formula.values(), Poly())
     lines.append(f"| **total at the peak** | `{total.expr}` | `{_mib(total)}` | {rep.peak_bytes:,} |")
+    if rep.ranks:
+        lines += ["", f"Per device ({rep.strategy.describe()}; the table above is the worst device's):", "",
+                  "| device | ranks | peak formula (B) | at b |", "|---|---|---|---:|"]
+        for r in rep.ranks:
+            formula = " , ".join(f"`{p.expr}`" for p in r.report.pieces)
+            lines.append(f"| {r.role} | {', '.join(map(str, r.ranks))} | "
+                         f"{'max(' + formula + ')' if len(r.report.pieces) > 1 else formula} | {r.report.peak_bytes:,} |")
     if rep.guards:
         lines += ["", "Guards: " + "; ".join(f"`{g}`" for g in rep.guards)]
     return "\n".join(lines) + "\n"

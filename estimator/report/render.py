@@ -25,6 +25,13 @@ def table(rep) -> str:
         f"formula (bytes, {rep.path.value} capture, valid for {range_text(rep)}): {rep.peak}",
         "",
     ]
+    if rep.ranks:
+        worst = next(r for r in rep.ranks if r.report.peak_bytes == rep.peak_bytes)
+        lines[1:1] = [(f"strategy: {rep.strategy.describe()} on {rep.strategy.devices} devices; the peak and the "
+                       f"tables below are the worst device's: {worst.role} (rank {_ranks_text(worst.ranks)})")]
+        lines += [_ranks_table(rep), ""]
+    elif rep.strategy.describe() != "single device":
+        lines[1:1] = [f"strategy: {rep.strategy.describe()}"]
     rows = [
         [category.value, format_bytes(value), f"{value:,}", str(rep.breakdown_formula[category])]
         for category, value in rep.breakdown.items()
@@ -47,6 +54,26 @@ def table(rep) -> str:
         lines += ["", "guards: " + "; ".join(rep.guards)]
     lines += [f"note: {note}" for note in rep.notes]
     return "\n".join(lines)
+
+
+def _ranks_table(rep) -> str:
+    """One row per group of identical ranks: its peak at ``batch`` and its formula."""
+    rows = []
+    for r in rep.ranks:
+        sub = r.report
+        row = [r.role, _ranks_text(r.ranks), format_bytes(sub.peak_bytes), f"{sub.peak_bytes:,}"]
+        if sub.cuda is not None:
+            row.append(format_bytes(sub.device_bytes))
+        rows.append([*row, str(sub.peak)])
+    headers = ["device", "ranks", "peak", "bytes", *(["device memory"] if rep.cuda is not None else []),
+               f"peak formula in {symbols_text(rep)}"]
+    return tabulate(rows, headers=headers)
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _cuda_rows(rep) -> list[list[str]]:
@@ -98,6 +125,15 @@ def to_dict(rep) -> dict[str, Any]:
             for m in rep.modules
         ],
         "notes": list(rep.notes),
+        "strategy": rep.strategy.describe(),
+        "multiple": rep.multiple,
+        "ranks": [
+            {"role": r.role, "ranks": list(r.ranks), "peak_bytes": r.report.peak_bytes, "peak": str(r.report.peak),
+             "pieces": [coefficients(p.bytes) for p in r.report.pieces],
+             "breakdown": {c.value: v for c, v in r.report.breakdown.items()},
+             "device_bytes": r.report.device_bytes}
+            for r in rep.ranks
+        ],
         "cuda": None if rep.cuda is None else {
             "gpu": rep.target.gpu.name,
             "max_memory_allocated": rep.peak_bytes,

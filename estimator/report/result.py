@@ -13,6 +13,7 @@ from torch import fx
 from estimator.account import Timeline
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
+from estimator.strategy import DEFAULT, Strategy
 from estimator.symbolic import Poly, max_fitting
 from estimator.target.cuda import CudaMemory, Overhead
 from estimator.target.spec import TargetSpec
@@ -88,6 +89,11 @@ class Report:
     cuda: CudaMemory | None = None  # CUDA target: the allocator's view at ``batch``
     seq: int | None = None  # the sequence length ``s`` of the sample, when the formula is in ``s``
     seq_range: tuple[int, int | None] = (2, None)  # where the formula holds in ``s``
+    multiple: int = 1  # b must be a multiple of it (micro-batches of gradient accumulation / a pipeline)
+    strategy: Strategy = DEFAULT
+    # Distributed strategies: each group of identical ranks' own report; this report is the
+    # worst rank's, with ``pieces`` (so ``peak``, ``at``, ``max_batch``) the max over all ranks.
+    ranks: tuple[RankReport, ...] = ()
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -121,6 +127,9 @@ class Report:
     def _check_range(self, b: int, s: int | None = None) -> None:
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise InputError(f"batch size must be a positive int, got {b!r}")
+        if b % self.multiple:
+            raise InputError(f"this step splits b into micro-batches ({self.strategy.describe()}): b must be a "
+                             f"multiple of {self.multiple}, got b={b}")
         if b < self.valid_from or (self.valid_to is not None and b > self.valid_to):
             upper = "∞" if self.valid_to is None else str(self.valid_to)
             raise InputError(
@@ -153,6 +162,13 @@ class Report:
             return self.on_device(b, s).allocated
         return max(p(b) for p in self._pieces_at(s))
 
+    @property
+    def per_device(self) -> dict[str, int]:
+        """The peak at ``batch`` of each rank group (``role`` -> bytes; CUDA: allocated)."""
+        if not self.ranks:
+            return {self.strategy.describe(): self.peak_bytes}
+        return {r.role: r.report.peak_bytes for r in self.ranks}
+
     def on_device(self, b: int | None = None, s: int | None = None) -> CudaMemory:
         """CUDA: the allocator's view at ``b`` (default ``batch``) and ``s`` (default ``seq``):
         allocated, reserved, device."""
@@ -162,6 +178,8 @@ class Report:
             return self.cuda
         b = self.batch if b is None else b
         self._check_range(b, s)
+        if self.ranks:  # the rank whose device holds the most
+            return max((r.report.on_device(b, s) for r in self.ranks), key=lambda m: m.device)
         from estimator.target.cuda import predict
 
         return predict(self.timeline.at_s(self.seq if s is None else s), b, self.target)
@@ -191,11 +209,14 @@ class Report:
             best = max_fitting(self._pieces_at(s), tensor_limit, self.valid_from, self.valid_to)
         except ValueError as exc:
             raise InputError(f"cannot invert the peak formula: {exc}") from exc
+        best -= best % self.multiple
         if best < self.valid_from:
             return 0
         if self.cuda is None:
             return best
-        return _bisect(lambda b: self.on_device(b, s).device <= limit, self.valid_from, best)
+        k = self.multiple  # bisect over multiples of k: b = k·n
+        n = _bisect(lambda n: self.on_device(k * n, s).device <= limit, -(-self.valid_from // k), best // k)
+        return k * n
 
     def max_seq(self, budget: int | str | None = None, b: int | None = None) -> int:
         """The largest sequence length whose step fits in ``budget`` at batch size ``b``
@@ -266,6 +287,16 @@ class Report:
         from estimator.report.render import table
 
         return table(self)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One group of identical ranks of a distributed strategy: ``role`` ("replica", "shard 1/4",
+    "stage 2/4 (blocks 3:6)"), their ``ranks`` and the report of one of them."""
+
+    role: str
+    ranks: tuple[int, ...]
+    report: Report
 
 
 def _bisect(fits, lo: int, hi: int) -> int:

@@ -65,7 +65,8 @@ def cublas_workspaces(timeline: Timeline) -> int:
     """
     threads = set()
     for op in timeline.ops:
-        if op.op.split(".")[1] in CUBLAS_OPS:
+        namespace, _, rest = op.op.partition(".")
+        if namespace == "aten" and rest.split(".")[0] in CUBLAS_OPS:
             threads.add(op.phase is Phase.BACKWARD)
     return len(threads)
 

@@ -1,0 +1,307 @@
+"""``compare`` strategies side by side, and ``plan`` the ones that fit a memory budget.
+
+Both run ``estimator.report`` for each strategy, but capture each distinct single-device step
+once: DDP, ZeRO 1/2/3 and a pipeline's micro-batches are transformations of the same captured
+step (``estimator.strategy.ranks``); only mixed precision, checkpointing and accumulation
+change what is captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from estimator.errors import InputError
+from estimator.estimate import _capture_formula, _capture_step, _request, _result
+from estimator.report.result import Report
+from estimator.strategy import Sharding, Strategy, blocks
+from estimator.units import format_bytes, parse_bytes
+
+BASELINE = "single device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One strategy of a comparison, at the comparison's batch ``b`` (per device for data
+    parallelism, per pipeline for a pipeline, per optimizer step for accumulation)."""
+
+    label: str
+    strategy: Strategy
+    report: Report
+    peak_bytes: int  # the worst device's peak at b (CUDA: max_memory_allocated)
+    saving: float  # 1 - peak / the baseline's peak
+    samples_per_step: int  # b times the data-parallel degree
+    communication_bytes: int  # per device and step (ring algorithms), 0 on one device
+    cost: str  # the extra compute or communication the strategy implies
+    max_batch: int | None = None  # with a budget: the largest b that fits (0: none)
+
+    @property
+    def devices(self) -> int:
+        return self.strategy.devices
+
+    @property
+    def device_bytes(self) -> int | None:
+        """CUDA: the worst device's memory (nvidia-smi) at b."""
+        return self.report.device_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.max_batch is None else self.max_batch >= self.report.batch
+
+    @property
+    def max_samples_per_step(self) -> int | None:
+        return None if self.max_batch is None else self.max_batch * self.strategy.data_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """``compare``'s result: one ``Row`` per strategy, the baseline first."""
+
+    rows: tuple[Row, ...]
+    batch: int
+    budget: int | None = None
+    skipped: tuple[str, ...] = ()  # default strategies left out, and why
+    baseline: str = BASELINE  # the label of the row the savings are relative to
+    ranked: bool = False  # plan: rows best first
+
+    def __getitem__(self, label: str) -> Row:
+        for row in self.rows:
+            if row.label == label:
+                return row
+        raise KeyError(f"no strategy {label!r}; rows: {[r.label for r in self.rows]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "budget": self.budget,
+            "rows": [
+                {"label": r.label, "strategy": r.strategy.describe(), "devices": r.devices,
+                 "peak_bytes": r.peak_bytes, "device_bytes": r.device_bytes, "saving": r.saving,
+                 "samples_per_step": r.samples_per_step, "communication_bytes": r.communication_bytes,
+                 "cost": r.cost, "max_batch": r.max_batch, "fits": r.fits,
+                 "per_device": r.report.per_device, "peak": str(r.report.peak)}
+                for r in self.rows
+            ],
+            "skipped": list(self.skipped),
+        }
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        cuda = self.rows[0].report.cuda is not None
+        headers = [*(["#"] if self.ranked else []), "strategy", "devices", "peak per device", *(["device memory"] if cuda else []), "vs baseline",
+                   "samples/step", *(["max b", "max samples/step"] if self.budget is not None else []),
+                   "communication/step", "extra cost"]
+        rows = []
+        for i, r in enumerate(self.rows, 1):
+            row = [*([i] if self.ranked else []), r.label, r.devices, format_bytes(r.peak_bytes)]
+            if cuda:
+                row.append(format_bytes(r.device_bytes))
+            row += [f"{-100 * r.saving:+.1f} %" if r.label != self.baseline else "baseline", r.samples_per_step]
+            if self.budget is not None:
+                row += [r.max_batch, r.max_samples_per_step]
+            row += [format_bytes(r.communication_bytes) if r.communication_bytes else "-", r.cost]
+            rows.append(row)
+        title = f"fxmem {'plan' if self.ranked else 'compare'}: {self.rows[0].report.model}, b = {self.batch}"
+        if self.budget is not None:
+            title += f", budget {format_bytes(self.budget)} per device"
+        lines = [title, "", tabulate(rows, headers=headers, disable_numparse=True)]
+        lines += [f"note: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[dict[str, Strategy], list[str]]:
+    """The eight strategies every guide names, for ``devices`` devices: one device, bf16
+    autocast, checkpointing every block, DDP, ZeRO-1/2/3 and a 1F1B pipeline; the ones the
+    model or ``batch`` cannot take are left out (with the reason)."""
+    found = blocks(model)
+    out = {BASELINE: Strategy(), "AMP bf16": Strategy(amp="bf16")}
+    skipped = []
+    if found:
+        out[f"checkpoint {type(found[0][1]).__name__}"] = Strategy(checkpoint=type(found[0][1]))
+    else:
+        skipped.append("checkpointing: the model has no repeated blocks (nn.Sequential / nn.ModuleList children)")
+    if devices > 1:
+        out[f"DDP x{devices}"] = Strategy(data_parallel=devices)
+        for stage in Sharding:
+            out[f"ZeRO-{stage.value[-1]} x{devices}"] = Strategy(data_parallel=devices, sharding=stage)
+        if len(found) < devices:
+            skipped.append(f"pipeline: {len(found)} blocks cannot make {devices} stages")
+        elif batch % devices:
+            skipped.append(f"pipeline: b={batch} does not split into {devices} micro-batches")
+        else:
+            out[f"pipeline x{devices} (1F1B)"] = Strategy(pipeline=devices)
+    return out, skipped
+
+
+def compare(
+    model: nn.Module,
+    sample: Any,
+    batch: int | None = None,
+    strategies: Sequence[Strategy] | Mapping[str, Strategy] | None = None,
+    *,
+    devices: int = 4,
+    budget: int | str | None = None,
+    mode: str = "train",
+    optimizer="adamw",
+    loss_fn=None,
+    device: str = "cpu",
+    gpu: str | int | None = None,
+    alloc_conf: str | None = None,
+    dynamic: Mapping | None = None,
+) -> Comparison:
+    """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
+    ``b`` that fits), against the single-device baseline (the first row).
+
+    ``strategies``: ``Strategy`` objects (labelled by ``Strategy.describe()``) or a
+    ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.  The other
+    arguments are ``estimator.report``'s.  Each distinct single-device step is captured once.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise InputError(f"devices must be a positive int, got {devices!r}")
+    limit = None if budget is None else parse_bytes(budget)
+    skipped: list[str] = []
+    if strategies is None:
+        named, skipped = default_strategies(model, batch or _batch_of(model, sample), devices)
+    elif isinstance(strategies, Mapping):
+        named = dict(strategies)
+    else:
+        named = {}
+        for s in strategies:
+            if not isinstance(s, Strategy):
+                raise InputError(f"strategies must be estimator.Strategy objects, got {type(s).__name__}")
+            named.setdefault(s.describe(), s)
+    if BASELINE not in named and Strategy() not in named.values():
+        named = {BASELINE: Strategy(), **named}
+    options = {"mode": mode, "optimizer": optimizer, "loss_fn": loss_fn, "device": device, "gpu": gpu,
+               "alloc_conf": alloc_conf, "amp": None, "grad_scaler": None, "dynamic": dynamic}
+    reports = _reports(model, sample, batch, named, options)
+    base_label = next(label for label, s in named.items() if s == Strategy())
+    base = reports[base_label]
+    rows = []
+    for label, rep in reports.items():
+        s = named[label]
+        rows.append(Row(
+            label=label,
+            strategy=s,
+            report=rep,
+            peak_bytes=rep.peak_bytes,
+            saving=1 - rep.peak_bytes / base.peak_bytes,
+            samples_per_step=rep.batch * s.data_parallel,
+            communication_bytes=communication_bytes(model, s),
+            cost=cost(s),
+            max_batch=None if limit is None else rep.max_batch(limit),
+        ))
+    rows.sort(key=lambda r: r.strategy != Strategy())  # the baseline first, the rest in the given order
+    return Comparison(tuple(rows), rows[0].report.batch, limit, tuple(skipped), base_label)
+
+
+def plan(
+    model: nn.Module,
+    sample: Any,
+    budget: int | str | None = None,
+    devices: int = 1,
+    *,
+    strategies: Sequence[Strategy] | Mapping[str, Strategy] | None = None,
+    **options,
+) -> Comparison:
+    """The strategies for ``devices`` devices whose step fits ``budget`` per device (bytes or
+    ``"80GiB"``; CUDA: default the GPU's memory), ranked by the most samples per optimizer step
+    they allow (``max_batch`` times the data-parallel degree), then by the least
+    communication.  ``strategies`` default: ``default_strategies`` plus their combinations
+    with bf16 autocast and checkpointing.  Options: as ``compare``."""
+    batch = options.pop("batch", None)
+    if budget is None and options.get("device", "cpu") != "cuda":
+        raise InputError("plan needs a budget per device (bytes or e.g. '80GiB'); only device='cuda' has a "
+                         "default (the GPU's memory)")
+    if strategies is None:
+        named, _ = default_strategies(model, batch or _batch_of(model, sample), devices)
+        extra = {}
+        for label, s in named.items():
+            if s.amp is None and s.pipeline == 1:
+                extra[f"{label} + AMP bf16"] = dataclasses.replace(s, amp="bf16")
+                if s.checkpoint is None and blocks(model):
+                    extra[f"{label} + AMP bf16 + checkpoint"] = dataclasses.replace(
+                        s, amp="bf16", checkpoint=type(blocks(model)[0][1]))
+        strategies = {**named, **{k: v for k, v in extra.items() if k not in named and v not in named.values()}}
+    result = compare(model, sample, batch, strategies, devices=devices, budget=_budget(budget, options), **options)
+    fitting = [r for r in result.rows if r.max_batch]
+    fitting.sort(key=lambda r: (-r.max_samples_per_step, r.communication_bytes, r.devices))
+    dropped = tuple(f"{r.label}: does not fit at any b" for r in result.rows if not r.max_batch)
+    if not fitting:
+        raise InputError(f"no strategy fits {format_bytes(result.budget)} per device on {devices} device(s) at any "
+                         f"batch size: {'; '.join(dropped)}")
+    return dataclasses.replace(result, rows=tuple(fitting), skipped=result.skipped + dropped, ranked=True)
+
+
+def _budget(budget, options) -> int | None:
+    if budget is not None:
+        return parse_bytes(budget)
+    from estimator.target.spec import target_spec
+
+    spec, _ = target_spec("cuda", options.get("gpu"), options.get("alloc_conf"))
+    return spec.gpu.total_memory
+
+
+def _batch_of(model, sample) -> int:
+    from estimator.estimate import _sample_batch
+
+    return _sample_batch(sample)
+
+
+def _reports(model, sample, batch, named: Mapping[str, Strategy], options) -> dict[str, Report]:
+    """``report()`` for every strategy, one capture per distinct captured step."""
+    requests = {label: _request(model, sample, batch, strategy=s, **options) for label, s in named.items()}
+    formulas = {}
+    out = {}
+    for label, request in requests.items():
+        if request.capture_key not in formulas:
+            formulas[request.capture_key] = _capture_formula(request)
+        out[label] = _result(request, _capture_step(request, formulas[request.capture_key]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# what a strategy costs besides memory
+
+
+def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
+    """Bytes each device sends per optimizer step with ring collectives (``n`` ranks move
+    ``(n-1)/n`` of the data per all-gather / reduce-scatter, twice that per all-reduce), for
+    the gradients ``G`` and parameters ``P`` of the trainable parameters: DDP all-reduces G;
+    ZeRO-1 adds the parameter broadcast (P); ZeRO-2 all-gathers P once and reduce-scatters G;
+    ZeRO-3 all-gathers P twice (forward and backward).  Pipelines send activations: not
+    counted (0); nor is tensor parallelism's traffic."""
+    n = strategy.data_parallel
+    if n == 1:
+        return 0
+    p = sum(t.numel() * t.element_size() for t in model.parameters() if t.requires_grad)
+    share = (n - 1) / n
+    volume = {None: 2 * p, Sharding.ZERO1: 3 * p, Sharding.ZERO2: 2 * p, Sharding.ZERO3: 3 * p}[strategy.sharding]
+    # accumulating, DDP reduces once (no_sync); FSDP gathers and reduce-scatters every micro-step
+    return round(share * volume * (strategy.accumulate if strategy.sharding in (Sharding.ZERO2, Sharding.ZERO3) else 1))
+
+
+def cost(strategy: Strategy) -> str:
+    """What the strategy costs besides memory, in words."""
+    parts = []
+    if strategy.checkpoint is not None:
+        parts.append("recomputes the checkpointed forward in backward")
+    if strategy.accumulate > 1:
+        parts.append(f"{strategy.accumulate} sequential micro-steps")
+    if strategy.amp is not None:
+        parts.append("casts (faster low-precision matmuls)")
+    if strategy.data_parallel > 1:
+        parts.append({None: "all-reduce of gradients", Sharding.ZERO1: "all-reduce + parameter broadcast",
+                      Sharding.ZERO2: "all-gather + reduce-scatter",
+                      Sharding.ZERO3: "2 all-gathers + reduce-scatter"}[strategy.sharding])
+    if strategy.pipeline > 1:
+        s, m = strategy.pipeline, strategy.microbatches
+        bubble = (s - 1) / (m + s - 1)
+        parts.append(f"pipeline bubble {100 * bubble:.0f} % ({strategy.schedule.value}); activations sent between "
+                     "stages")
+    return "; ".join(parts) or "-"
+

@@ -1,0 +1,111 @@
+"""``estimator.compare`` and ``estimator.plan``: rows, captures shared, ranking, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import estimator
+from estimator import InputError, Strategy, planning
+
+PARAMS = 4 * (64 * 64 + 64) * 4  # 4 x Linear(64, 64), fp32: 66_560 B
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_compare_rows_against_single_device_reports():
+    model, x = Net(), torch.randn(8, 64)
+    strategies = {"ddp": Strategy(data_parallel=2), "zero1": Strategy(data_parallel=2, sharding="zero1"),
+                  "ckpt": Strategy(checkpoint=nn.Linear)}
+    result = estimator.compare(model, x, 8, strategies, budget="2MiB")
+    assert [r.label for r in result.rows] == ["single device", "ddp", "zero1", "ckpt"]
+    single = estimator.report(model, x, 8)
+    base = result["single device"]
+    assert base.peak_bytes == single.peak_bytes and base.saving == 0 and base.max_batch == single.max_batch("2MiB")
+    ddp = result["ddp"]
+    assert ddp.peak_bytes == single.peak_bytes + PARAMS  # one bucket of every gradient
+    assert ddp.saving == pytest.approx(-PARAMS / single.peak_bytes)
+    assert ddp.samples_per_step == 16 and ddp.devices == 2
+    # ring all-reduce of the gradients: 2 * (n-1)/n * 66_560 B = 66_560 B per device
+    assert ddp.communication_bytes == PARAMS
+    assert result["zero1"].communication_bytes == 3 * PARAMS // 2  # + the parameter broadcast
+    assert result["ckpt"].peak_bytes == estimator.report(model, x, 8, strategy=strategies["ckpt"]).peak_bytes
+    assert "recomputes" in result["ckpt"].cost
+    assert "zero1" in str(result) and result.to_dict()["rows"][1]["label"] == "ddp"
+    with pytest.raises(KeyError, match="no strategy 'nope'"):
+        result["nope"]
+
+
+def test_compare_captures_each_step_once(monkeypatch):
+    calls = []
+    original = planning._capture_formula
+
+    def counting(request):
+        calls.append(request.capture_spec.strategy)
+        return original(request)
+
+    monkeypatch.setattr(planning, "_capture_formula", counting)
+    model, x = Net(), torch.randn(8, 64)
+    result = estimator.compare(model, x, 8, devices=4)
+    # the default eight: single, bf16, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B) ->
+    # three captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, checkpointing
+    assert [r.label for r in result.rows] == [
+        "single device", "AMP bf16", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4", "ZeRO-3 x4",
+        "pipeline x4 (1F1B)"]
+    assert len(calls) == 3
+
+
+def test_default_strategies_leave_out_what_cannot_apply():
+    named, skipped = planning.default_strategies(nn.Linear(4, 4), 8, devices=2)
+    assert "checkpoint" not in " ".join(named) and any("checkpointing" in s for s in skipped)
+    assert any("pipeline: 0 blocks" in s for s in skipped)
+    named, skipped = planning.default_strategies(Net(), 6, devices=4)
+    assert any("b=6 does not split into 4" in s for s in skipped)
+    named, _ = planning.default_strategies(Net(), 8, devices=1)
+    assert list(named) == ["single device", "AMP bf16", "checkpoint Linear"]
+
+
+def test_plan_ranks_by_samples_per_step():
+    model, x = Net(), torch.randn(8, 64)
+    strategies = [Strategy(), Strategy(data_parallel=2), Strategy(data_parallel=2, sharding="zero1")]
+    result = estimator.plan(model, x, "1MiB", devices=2, strategies=strategies)
+    assert result.ranked
+    per_step = [r.max_samples_per_step for r in result.rows]
+    assert per_step == sorted(per_step, reverse=True)
+    for r in result.rows:  # each row's max batch is its report's
+        assert r.max_batch == r.report.max_batch("1MiB") > 0
+    assert str(result).splitlines()[0].startswith("fxmem plan")
+
+
+def test_plan_and_compare_bad_input():
+    model, x = Net(), torch.randn(8, 64)
+    with pytest.raises(InputError, match="no strategy fits"):
+        estimator.plan(model, x, "10KiB", devices=2, strategies=[Strategy(), Strategy(data_parallel=2)])
+    with pytest.raises(InputError, match="needs a budget"):
+        estimator.plan(model, x)
+    with pytest.raises(InputError, match="devices must be a positive int"):
+        estimator.compare(model, x, devices=0)
+    with pytest.raises(InputError, match="estimator.Strategy objects"):
+        estimator.compare(model, x, strategies=["ddp"])
+
+
+def test_master_weights_is_a_capture_of_its_own():
+    # the optimizer behind fp32 master weights changes the captured step: not shared with the
+    # baseline's capture.  Parameters: 4 x (64 x 64 + 64) bf16 = 33_280 B.  Baseline AdamW state:
+    # 2 x 33_280 (bf16); with masters: fp32 copies 66_560 + fp32 AdamW state 2 x 66_560: the
+    # difference is 66_560 + 66_560 = 4 x 33_280 (the step counters are the same).
+    model, x = Net().to(torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    result = estimator.compare(model, x, 8, {"master": Strategy(master_weights=True)})
+    base, master = result["single device"].report, result["master"].report
+    assert master.breakdown[estimator.Category.OPTIMIZER_STATE] - base.breakdown[estimator.Category.OPTIMIZER_STATE] \
+        == 4 * 33_280
