@@ -243,28 +243,6 @@ def _result(request: _Request, step_: _Captured) -> Report:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Captured:
-    """The captured step: the formula timeline, the one at the report's batch and where the
-    formula holds."""
-
-    timeline: Timeline
-    at_batch: Timeline  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
-    path: CapturePath
-    valid_from: int
-    valid_to: int | None
-    guards: tuple[str, ...]
-    graph: Any
-    seq: int | None
-    seq_range: tuple[int, int | None] | None
-    outside: bool
-    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
-
-    @property
-    def seq_range_lo(self) -> int:
-        return (self.seq_range or (0,))[0]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Formula:
     """The captured single-device step as formulas (before any batch is evaluated)."""
 
@@ -276,7 +254,19 @@ class _Formula:
     graph: Any
     seq: int | None
     seq_range: tuple[int, int | None] | None
-    notes: tuple[str, ...]
+    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
+
+    @property
+    def seq_range_lo(self) -> int:
+        return (self.seq_range or (0,))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured(_Formula):
+    """The formulas of one request (a pipeline's in its batch) and the timeline at its batch."""
+
+    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
+    outside: bool = False
 
 
 def _capture_formula(request: _Request) -> _Formula:
@@ -336,8 +326,8 @@ def _capture_step(request: _Request, formula: _Formula | None = None) -> _Captur
             timeline, at_batch = _per_micro(timeline, m, True), _per_micro(at_batch, m, True)
             notes.append(_rounded_note(m))
         valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
-    return _Captured(timeline, at_batch, formula.path, valid_from, valid_to, formula.guards, formula.graph, seq,
-                     formula.seq_range, outside, tuple(notes))
+    return _Captured(**{**vars(formula), "timeline": timeline, "valid_from": valid_from, "valid_to": valid_to,
+                        "notes": tuple(notes)}, at_batch=at_batch, outside=outside)
 
 
 def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: _Captured, common: dict) -> Report:

@@ -116,6 +116,8 @@ def test_prediction_matches_the_gloo_job(strategy, kind, options):
         ({"pipeline": 2, "data_parallel": 2}, "2-D parallelism"),
         ({"pipeline": 2, "accumulate": 2}, "use microbatches=4"),
         ({"microbatches": 4}, "give pipeline >= 2"),
+        ({"master_weights": True, "sharding": "zero3", "data_parallel": 2}, "MixedPrecisionPolicy"),
+        ({"amp": "fp8"}, r"amp=\) must be"),
     ],
 )
 def test_impossible_configurations_name_the_setting(kwargs, match):

@@ -160,7 +160,10 @@ class RankStep:
         new = [segments[name] for name in order if name in segments]
         where = {id(op): (k, j) for k, seg in enumerate(new) for j, op in enumerate(seg)}
         position = {id(op): j for seg in segments.values() for j, op in enumerate(seg)}
-        loop_end = new[-1][-1] if new else None
+        # what a dropped segment allocated goes with it; what it freed is freed where the loop ends
+        self.blocks = [b for b in self.blocks if b.alloc is None or id(b.alloc) not in position
+                       or id(b.alloc) in where]
+        loop_end = new[-1][-1] if new else (self.ops[first - 1] if first else None)
         for b in self.blocks:
             dropped_free = b.free is not None and id(b.free) in position and id(b.free) not in where
             if dropped_free and (b.alloc is None or id(b.alloc) not in where):  # freed by a dropped segment

@@ -126,6 +126,9 @@ class Strategy:
         if sharded and self.data_parallel < 2:
             raise InputError(f"Strategy(sharding={self.sharding.value!r}) shards over the data-parallel ranks: "
                              f"give data_parallel >= 2, got {self.data_parallel}")
+        if self.master_weights and self.sharding in (Sharding.ZERO2, Sharding.ZERO3):
+            raise InputError("Strategy(master_weights=True) with sharding='zero2'/'zero3' is not modelled (FSDP "
+                             "keeps low-precision copies itself: MixedPrecisionPolicy); use fp32 parameters")
         if self.shard_modules is not None and self.sharding not in (Sharding.ZERO2, Sharding.ZERO3):
             raise InputError("Strategy(shard_modules=) chooses the fully_shard units of sharding='zero2'/'zero3'")
         if not sharded and self.data_parallel == 1 and (self.gradient_as_bucket_view or cap != 25.0):
