@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from estimator.errors import InputError
-from estimator.estimate import _capture_formula, _capture_step, _request, _result
+from estimator.estimate import _capture_formula, _capture_step, _request, _result, _sample_batch
 from estimator.report.result import Report
 from estimator.strategy import Sharding, Strategy, blocks
 from estimator.units import format_bytes, parse_bytes
@@ -165,7 +165,7 @@ def compare(
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
     if strategies is None:
-        named, skipped = default_strategies(model, batch or _batch_of(model, sample), devices)
+        named, skipped = default_strategies(model, batch or _sample_batch(sample), devices)
     elif isinstance(strategies, Mapping):
         named = dict(strategies)
     else:
@@ -218,7 +218,7 @@ def plan(
         raise InputError("plan needs a budget per device (bytes or e.g. '80GiB'); only device='cuda' has a "
                          "default (the GPU's memory)")
     if strategies is None:
-        named, _ = default_strategies(model, batch or _batch_of(model, sample), devices)
+        named, _ = default_strategies(model, batch or _sample_batch(sample), devices)
         extra = {}
         for label, s in named.items():
             if s.amp is None and s.pipeline == 1:
@@ -244,12 +244,6 @@ def _budget(budget, options) -> int | None:
 
     spec, _ = target_spec("cuda", options.get("gpu"), options.get("alloc_conf"))
     return spec.gpu.total_memory
-
-
-def _batch_of(model, sample) -> int:
-    from estimator.estimate import _sample_batch
-
-    return _sample_batch(sample)
 
 
 def _reports(model, sample, batch, named: Mapping[str, Strategy], options) -> dict[str, Report]:
