@@ -42,6 +42,8 @@ accumulation, checkpointing and autocast each rank's step applies):
                     2.. start); every rank sees the whole batch in ``microbatches`` chunks
                     (default: world_size).  The sample must be ``(input, target)``; the last
                     stage computes ``loss_fn(output, (None, target_microbatch))``.
+                    ``checkpoint=``: a module type whose instances run under
+                    ``torch.utils.checkpoint`` in each stage.
 
 Not measured: memory gloo allocates outside the c10 CPU allocator (its own malloc'd buffers).
 A rank that raises, or a job that outlives ``timeout`` seconds, raises ``RankError`` (naming
