@@ -126,12 +126,8 @@ def _strategy(opts: Options, model):
     that name in ``model``)."""
     from estimator.strategy import Strategy
 
-    checkpoint = opts.checkpoint
-    if checkpoint is not None:
-        types = {type(m).__name__: type(m) for m in model.modules()}
-        checkpoint = types.get(checkpoint, checkpoint)
     return Strategy(
-        accumulate=opts.accumulate, checkpoint=checkpoint, data_parallel=opts.data_parallel,
+        accumulate=opts.accumulate, checkpoint=_module_type(opts.checkpoint, model), data_parallel=opts.data_parallel,
         sharding=None if opts.zero is None else f"zero{opts.zero}", pipeline=opts.pipeline,
         microbatches=opts.microbatches, schedule=opts.schedule, master_weights=opts.master_weights,
     )
@@ -440,6 +436,15 @@ def plan(devices, budget, as_json, **kwargs):
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
 
 
+def _module_type(checkpoint, model):
+    """``--checkpoint Block``: the module type of that name in ``model``; a path or glob (or
+    anything that names no type) unchanged."""
+    if not isinstance(checkpoint, str):
+        return checkpoint
+    types = {type(m).__name__: type(m) for m in model.modules()}
+    return types.get(checkpoint, checkpoint)
+
+
 def _parse_strategy(spec: str, model):
     """``data_parallel=4,sharding=zero3,checkpoint=Block`` -> ``Strategy``."""
     import dataclasses
@@ -455,10 +460,8 @@ def _parse_strategy(spec: str, model):
         if not sep or key not in fields:
             raise InputError(f"--strategy {spec!r}: expected key=value with keys among {sorted(fields)}, got {item!r}")
         kwargs[key] = _value(value.strip())
-    checkpoint = kwargs.get("checkpoint")
-    if isinstance(checkpoint, str):
-        types = {type(m).__name__: type(m) for m in model.modules()}
-        kwargs["checkpoint"] = types.get(checkpoint, checkpoint)
+    if "checkpoint" in kwargs:
+        kwargs["checkpoint"] = _module_type(kwargs["checkpoint"], model)
     if isinstance(kwargs.get("split_points"), str):
         kwargs["split_points"] = tuple(kwargs["split_points"].split("+"))
     return Strategy(**kwargs)

@@ -219,13 +219,14 @@ def plan(
                          "default (the GPU's memory)")
     if strategies is None:
         named, _ = default_strategies(model, batch or _sample_batch(sample), devices)
+        found = blocks(model)
         extra = {}
         for label, s in named.items():
             if s.amp is None and s.pipeline == 1:
                 extra[f"{label} + AMP bf16"] = dataclasses.replace(s, amp="bf16")
-                if s.checkpoint is None and blocks(model):
+                if s.checkpoint is None and found:
                     extra[f"{label} + AMP bf16 + checkpoint"] = dataclasses.replace(
-                        s, amp="bf16", checkpoint=type(blocks(model)[0][1]))
+                        s, amp="bf16", checkpoint=type(found[0][1]))
         strategies = {**named, **{k: v for k, v in extra.items() if k not in named and v not in named.values()}}
     result = compare(model, sample, batch, strategies, devices=devices, budget=_budget(budget, options), **options)
     fitting = [r for r in result.rows if r.max_batch]

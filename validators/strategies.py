@@ -67,14 +67,8 @@ MODELS = {
 }
 
 
-def _block(model_name: str):
-    from models_zoo.gpt import Block
-
-    return Block if model_name == "gpt" else None
-
-
 def cases() -> list[Case]:
-    gpt_block = _block("gpt")
+    from models_zoo.gpt import Block as gpt_block
     single = [
         Case("amp bf16", "gpt", Strategy(amp="bf16"), 4),
         Case("amp fp16 + GradScaler", "gpt", Strategy(amp="fp16"), 4),

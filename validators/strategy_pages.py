@@ -17,6 +17,7 @@ from pathlib import Path
 import estimator
 import models_zoo
 from estimator import Strategy
+from estimator.report.render import ranks_text
 from estimator.units import format_bytes
 
 MODEL, SIZE, BATCH = "gpt", "gpt2-small", 8
@@ -158,8 +159,7 @@ def render(page: Page, matrix: list[dict]) -> str:
         groups = [(r.role, r.ranks, r.report) for r in ranks] or [("one device", (0,), row.report)]
         for role, members, rep in groups:
             saving = "" if row.label == result.baseline else f"{100 * (rep.peak_bytes / result.rows[0].peak_bytes - 1):+.1f} %"
-            who = ", ".join(map(str, members)) if len(members) < 4 else f"{members[0]}-{members[-1]}"
-            lines.append(f"| {row.label} | {role} | {who} | {format_bytes(rep.peak_bytes)} | {saving} | `{rep.peak}` |")
+            lines.append(f"| {row.label} | {role} | {ranks_text(members)} | {format_bytes(rep.peak_bytes)} | {saving} | `{rep.peak}` |")
     rows = [r for r in matrix if any(key.lower() in r["case"].lower() for key in page.matrix)]
     lines += ["", "## Measured", ""]
     if rows:

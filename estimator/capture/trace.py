@@ -74,16 +74,17 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     micro-batch ``m`` (hint ``max(batch // k, 2)``), the fake sample's dim 0 is ``k·m`` (the
     step splits it into ``k`` views of ``m`` rows), and the bytes are mapped to ``b`` by
     ``m = b / k``: exact integer polynomials in ``b`` when ``k`` divides each coefficient
-    (``CaptureError`` otherwise); the range of ``b`` is ``k`` times that of ``m``.
+    (rounded up otherwise: ``RawCapture.rounded``); the range of ``b`` is ``k`` times that of
+    ``m``.  (A pipeline's micro-batches are not captured here: ``estimate`` maps the plain
+    step's formulas to ``b / m``.)
     """
     k = spec.strategy.accumulate
-    d = spec.strategy.multiple  # the captured symbol is one micro-batch: b / d
-    if not symbolic and batch % d:
-        raise CaptureError(f"{spec.strategy.describe()}: the concrete capture at b={batch} needs a multiple of {d}")
-    micro = max(batch // d, 2) if symbolic else batch // d
-    if symbolic and d > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
-        sizes = {t.shape[d_] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
-                 for d_ in seq_dims.get(id(t), ())}
+    if not symbolic and batch % k:
+        raise CaptureError(f"accumulate={k}: the concrete capture at b={batch} needs a multiple of {k}")
+    micro = max(batch // k, 2) if symbolic else batch // k
+    if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
+        sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
+                 for d in seq_dims.get(id(t), ())}
         while micro in sizes:
             micro += 1
     shape_env = ShapeEnv() if symbolic else None
@@ -127,7 +128,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order))
-    raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, d)
+    raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k)
     raw.grad_order = tuple(grad_order)
     return raw
 

@@ -28,7 +28,7 @@ def table(rep) -> str:
     if rep.ranks:
         worst = next(r for r in rep.ranks if r.report.peak_bytes == rep.peak_bytes)
         lines[1:1] = [(f"strategy: {rep.strategy.describe()} on {rep.strategy.devices} devices; the peak and the "
-                       f"tables below are the worst device's: {worst.role} (rank {_ranks_text(worst.ranks)})")]
+                       f"tables below are the worst device's: {worst.role} (rank {ranks_text(worst.ranks)})")]
         lines += [_ranks_table(rep), ""]
     elif rep.strategy.describe() != "single device":
         lines[1:1] = [f"strategy: {rep.strategy.describe()}"]
@@ -61,7 +61,7 @@ def _ranks_table(rep) -> str:
     rows = []
     for r in rep.ranks:
         sub = r.report
-        row = [r.role, _ranks_text(r.ranks), format_bytes(sub.peak_bytes), f"{sub.peak_bytes:,}"]
+        row = [r.role, ranks_text(r.ranks), format_bytes(sub.peak_bytes), f"{sub.peak_bytes:,}"]
         if sub.cuda is not None:
             row.append(format_bytes(sub.device_bytes))
         rows.append([*row, str(sub.peak)])
@@ -70,7 +70,8 @@ def _ranks_table(rep) -> str:
     return tabulate(rows, headers=headers)
 
 
-def _ranks_text(ranks: tuple[int, ...]) -> str:
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 3)`` -> ``"0-3"``; short or gapped lists as ``"0, 2"``."""
     if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ", ".join(map(str, ranks))
