@@ -289,14 +289,16 @@ def _capture_formula(request: _Request) -> _Formula:
             seq = None
             raw = capture(model, sample, spec, hint, symbolic=True)
         timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
+        notes.extend(raw.notes)
         if raw.rounded:
             notes.append(_rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph, valid_to, note = _concrete(model, sample, spec, hint, exc)
+        timeline, graph, valid_to, note, host_notes = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
+        notes.extend(host_notes)
         if seq is not None:
             notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
             seq = None
@@ -488,7 +490,8 @@ def _named_tensors(sample: Any, prefix: str = ""):
 
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
-    """Fit concrete captures; returns the timeline, the graph, the last valid b and a note.
+    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note and the
+    notes of the first capture (host-measured kernels).
 
     The captures are at ``hint``, ``hint + 1`` and ``4 * hint`` (far apart, so that memory
     rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2`` is
@@ -508,7 +511,7 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     timelines = [account(r) for r in raws]
     note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {hint + 1}, {far}"
     try:
-        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note
+        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes
     except NotPolynomial:
         fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
         deviation = max(
@@ -519,7 +522,7 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
             f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
             "other captures, and elsewhere by up to a page per rounded buffer"
         )
-        return fitted, raws[0].graph, valid_to, note
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes
 
 
 def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:

@@ -16,6 +16,8 @@ Models (sizes; every model has a tiny "debug"):
     lora              transformer LM, frozen base + LoRA adapters      (debug, small)
     tied_autoencoder  decoder reuses encoder weights; a shared Linear  (debug, small)
     llama             Llama-2: RMSNorm, RoPE, GQA, SwiGLU              (debug, 7b)
+    convnets          one small net per conv family, conv/BN pricing   (debug, depthwise, grouped,
+                      dilated, conv1d, conv3d, transposed, patch, stem, small-channels, bn-eval)
 
 Each model module exposes Config (a frozen dataclass), SIZES, its nn.Module
 and make(cfg) -> (model, make_sample, loss_fn), so custom configs work too:
@@ -26,7 +28,7 @@ import difflib
 
 import torch
 
-from models_zoo import bert, gpt, llama, lora, mlp, resnet, rnn, tied_autoencoder, unet, vit
+from models_zoo import bert, convnets, gpt, llama, lora, mlp, resnet, rnn, tied_autoencoder, unet, vit
 
 __all__ = ["get", "names", "sizes"]
 
@@ -41,6 +43,7 @@ _REGISTRY = {
     "lora": lora,
     "tied_autoencoder": tied_autoencoder,
     "llama": llama,
+    "convnets": convnets,
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 
 def pytest_configure(config):
+    # CPU kernels measured on the host are cached: the suite measures into a cache of its own
+    # (subprocess tests inherit it), so a stale user cache cannot hide a regression.
+    os.environ.setdefault("FXMEM_CACHE_DIR", tempfile.mkdtemp(prefix="fxmem-test-cache-"))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is available)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     # torch is imported without numpy in this venv; its one-time warning is noise.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import models_zoo
+from estimator.target import cpu
 from validators import pages
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models"
@@ -36,9 +37,18 @@ def test_every_model_and_size_has_a_committed_page():
                 assert (DOCS / png).exists(), f"{png} missing: {STALE}"
 
 
+def _from_another_host(text: str) -> bool:
+    """A page with CPU kernels measured on the host (convolutions, ...) holds that host's numbers:
+    it can be compared only on the host that wrote it (its notes name the host)."""
+    return "measured on this host" in text and f"measured on this host ({cpu.host_text()})" not in text
+
+
 def test_debug_sections_and_index_are_up_to_date(regenerated):
     assert set(regenerated) == {DOCS / f"{name}.md" for name in models_zoo.names()} | {DOCS / "index.md"}
+    elsewhere = [path.name for path in regenerated if _from_another_host(path.read_text())]
     for path, text in regenerated.items():
+        if path.name in elsewhere or (path.name == "index.md" and elsewhere):
+            continue  # another host's measurements (the index shows every page's numbers)
         assert path.read_text() == text, f"{path.name}: {STALE}"
 
 

@@ -47,10 +47,25 @@ def test_formula_matches_fresh_capture(name, mode, b):
         assert rep20.at(b) == fresh
 
 
-def test_resnet_guard_is_reported():
+def test_resnet_formula_has_no_backend_guard():
+    # The meta convolution's CPU backend choice read N >= 16 (a guard b < 16 that cut the formula
+    # at 15); the output layout does not depend on it, so it is not recorded
+    # (corrections/cpu/conv.py) and one capture serves every batch: at(32) is a fresh capture's.
     rep = zoo_report("resnet", "inference", 8)
-    assert (rep.valid_from, rep.valid_to) == (2, 15)
-    assert rep.guards == ("b < 16",)
+    assert (rep.valid_from, rep.valid_to, rep.guards) == (2, None, ())
+    assert rep.at(32) == zoo_report("resnet", "inference", 32).peak_bytes
+
+
+def test_guards_are_reported():
+    # a model's own shape check on the batch is a guard: the formula holds where it holds
+    class Capped(torch.nn.Linear):
+        def forward(self, x):
+            assert x.shape[0] <= 64, "at most 64 rows"
+            return super().forward(x)
+
+    rep = estimator.report(Capped(4, 4), torch.randn(8, 4), mode="inference")
+    assert (rep.valid_from, rep.valid_to) == (2, 64)
+    assert rep.guards
 
 
 @pytest.mark.parametrize("mode", MODES)

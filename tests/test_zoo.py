@@ -8,7 +8,7 @@ import torch
 import models_zoo
 from models_zoo import get, names, sizes
 
-EXPECTED_NAMES = ["mlp", "resnet", "unet", "vit", "gpt", "bert", "rnn", "lora", "tied_autoencoder", "llama"]
+EXPECTED_NAMES = ["mlp", "resnet", "unet", "vit", "gpt", "bert", "rnn", "lora", "tied_autoencoder", "llama", "convnets"]
 
 # unique-parameter counts of the reference models (torchvision, GPT-2, Llama-2)
 REFERENCE_COUNTS = [

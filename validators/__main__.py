@@ -21,8 +21,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows = []
-    for row in zoo.run(args.models, "debug", args.modes, args.batches):
-        print(f"{row.model:18s} {row.mode:9s} b={row.batch:<3d} predicted {row.predicted:>12,} "
+    for row in zoo.run(args.models, args.modes, args.batches):
+        print(f"{row.model:10s} {row.size:14s} {row.dtype} {row.mode:9s} b={row.batch:<3d} predicted {row.predicted:>12,} "
               f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
         rows.append(row)
     command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))

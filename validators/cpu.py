@@ -8,6 +8,7 @@ the allocation deltas during the step.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,18 @@ class Measurement:
     baseline_bytes: int  # alive when the step starts
     peak_delta: int  # largest running sum of allocator deltas during the step
     events: int  # allocator events seen
+
+
+@contextmanager
+def threads(n: int):
+    """``torch.set_num_threads(n)`` for a block: CPU kernels' scratch (and so the estimate, which
+    measures them) depends on the thread count, so predict with the measured run's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def baseline_bytes(model, optimizer, sample, scaler=None) -> int:

@@ -25,14 +25,13 @@ import re
 import sys
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 
 import estimator
 import models_zoo
 from estimator.units import format_bytes, parse_bytes
+from validators.cpu import threads
 
 OUT = Path("docs/models")
 MODE, OPTIMIZER, DEVICE = "train", "adamw", "cpu"
@@ -49,16 +48,6 @@ CAPTURES = {
     "symbolic": "one fake run with a symbolic batch size: the formula is exact for every b in the range",
     "concrete": "the symbolic run failed; the formula is fitted op by op from fake runs at several batch sizes",
 }
-
-
-@contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 ROOT = Path(models_zoo.__file__).resolve().parent.parent

@@ -34,6 +34,8 @@ from estimator import Strategy
 from validators import cpu
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
+RANK_THREADS = 1  # intra-op threads of each rank of a distributed job
+
 MARK_START, MARK_END = "<!-- strategies -->", "<!-- /strategies -->"
 TARGET_MEDIAN, TARGET_MAX = 1.0, 3.0  # % |error| per rank (issue 4)
 # A gloo worker thread sometimes drops its reference to a collective's buffer (an FSDP2
@@ -147,7 +149,9 @@ def run_case(case: Case) -> list[Row]:
     if case.model.startswith("mlp"):
         model = _InputOnly(model)
     start = time.perf_counter()
-    rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, loss_fn=loss_fn, strategy=case.strategy)
+    # at the thread count of the run it is compared with (the distributed ranks run one thread each)
+    with cpu.threads(RANK_THREADS if case.harness else torch.get_num_threads()):
+        rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, loss_fn=loss_fn, strategy=case.strategy)
     seconds = time.perf_counter() - start
     if case.harness is None:
         model, sample_fn, loss_fn = build()
@@ -168,7 +172,7 @@ def run_case(case: Case) -> list[Row]:
     runs = 0
     while runs < RUNS and (not measured or any(abs(measured[k] / predicted[k] - 1) > RETRY_ABOVE for k in measured)):
         runs += 1
-        for m in measure_ranks(case.harness, world, build, global_batch, **options):
+        for m in measure_ranks(case.harness, world, build, global_batch, threads=RANK_THREADS, **options):
             measured[m.rank] = min(measured.get(m.rank, m.peak_bytes), m.peak_bytes)
     return [Row(case.name, case.model, k, roles[k], case.batch, predicted[k], measured[k], seconds, runs)
             for k in sorted(measured)]
@@ -217,10 +221,9 @@ Notes:
   such buffer higher (3-13 % on these small MLPs), on a random rank. A job whose ranks miss by
   more than 1 % runs again (up to 3 jobs) and each rank's lowest peak is shown: the prediction
   follows the program order, which most runs show.
-- Checkpointing with bf16 autocast on CPU: bf16 `mm`/`addmm` run oneDNN, whose scratchpad comes
-  from the CPU allocator during the call; the CPU target has no correction for it (a step
-  function of the shapes, the ISA and the thread count), so those rows are low by up to one
-  scratchpad (tests/test_strategy_single.py shows the timelines equal op by op without it).
+- bf16 `mm`/`addmm` on CPU run oneDNN, whose scratchpad comes from the CPU allocator during the
+  call (a step function of the shapes, the ISA and the thread count): measured on the host by
+  the estimate, at the thread count of the run it is compared with (one per rank here).
 - Memory gloo allocates outside the PyTorch allocator is not measured (nor predicted).
 """
 

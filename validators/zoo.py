@@ -6,13 +6,19 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 import estimator
 import models_zoo
+from estimator.target import cpu
 from validators.cpu import measure_cpu
 
 MODES = ("train", "inference")
 BATCHES = (2, 8, 32)
 OPTIMIZER = "adamw"
+# Every convolution family of the zoo, in both precisions the CPU kernels differ in.
+CONV_MODEL = "convnets"
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class Row:
     measured: int
     capture: str  # symbolic / concrete
     estimate_seconds: float
+    dtype: str = "fp32"  # the model's parameters (samples stay fp32; the models cast them)
 
     @property
     def error(self) -> float:
@@ -32,23 +39,36 @@ class Row:
         return 100.0 * (self.predicted - self.measured) / self.measured
 
 
-def compare(name: str, size: str, mode: str, batch: int) -> Row:
+def compare(name: str, size: str, mode: str, batch: int, dtype: str = "fp32") -> Row:
     """One prediction and one measurement, each on its own fresh model instance."""
-    model, make_sample, loss_fn = models_zoo.get(name, size)
+    model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
     start = time.perf_counter()
     rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer=OPTIMIZER, loss_fn=loss_fn)
     seconds = time.perf_counter() - start
-    model, make_sample, loss_fn = models_zoo.get(name, size)
+    model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
     measured = measure_cpu(model, make_sample(batch), mode, OPTIMIZER, loss_fn)
-    return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds)
+    return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds, dtype)
 
 
-def run(names=None, size: str = "debug", modes=MODES, batches=BATCHES):
-    """``compare`` over models × modes × batches, one Row at a time."""
-    for name in names or models_zoo.names():
+def cases(names=None, modes=MODES, batches=BATCHES):
+    """(name, size, dtype) of the validation: every zoo model's ``debug`` size in fp32, and every
+    size of the convolution families in fp32 and bf16."""
+    names = names or models_zoo.names()
+    for name in names:
+        yield name, "debug", "fp32"
+    if CONV_MODEL in names:
+        for size in models_zoo.sizes(CONV_MODEL):
+            for dtype in DTYPES:
+                if (size, dtype) != ("debug", "fp32"):
+                    yield CONV_MODEL, size, dtype
+
+
+def run(names=None, modes=MODES, batches=BATCHES):
+    """``compare`` over ``cases`` × modes × batches, one Row at a time."""
+    for name, size, dtype in cases(names):
         for mode in modes:
             for batch in batches:
-                yield compare(name, size, mode, batch)
+                yield compare(name, size, mode, batch, dtype)
 
 
 def summary(rows: list[Row]) -> dict[str, float]:
@@ -81,23 +101,29 @@ def to_markdown(rows: list[Row], command: str) -> str:
         "",
         ("Predicted peak (`estimator.report(...).peak_bytes`, device `cpu`) against the peak measured "
         "from PyTorch's CPU allocator (profiler memory events + bytes alive at the start of the "
-        f"step), optimizer `{OPTIMIZER}`, every zoo model in its `debug` size."),
+        f"step), optimizer `{OPTIMIZER}`, every zoo model in its `debug` size, and every size of "
+        f"`{CONV_MODEL}` (one convolution family each) in fp32 and bf16."),
+        "",
+        (f"Host: {cpu.host_text()}. Convolutions, batch norms, CPU flash attention, bf16 matmuls and reductions "
+         "are measured on the host that runs the estimate (`estimator/target/cpu.py`), so these "
+         "figures hold for any host that reruns them; the table is this host's."),
         "",
         f"Reproduce: `{command}`",
         "",
         (f"**{stats['cases']} cases: median |error| {stats['median_abs_error_pct']:.3f} %, "
         f"max |error| {stats['max_abs_error_pct']:.3f} %, {stats['within_0.5pct']} within 0.5 %.**"),
         "",
-        "| model | mode | batch | predicted (B) | measured (B) | error | capture | estimate time |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
+        "| model | size | dtype | mode | batch | predicted (B) | measured (B) | error | capture | estimate time |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.mode} | {r.batch} | {r.predicted:,} | {r.measured:,} | {r.error:+.3f} % "
-            f"| {r.capture} | {r.estimate_seconds:.2f} s |"
+            f"| {r.model} | {r.size} | {r.dtype} | {r.mode} | {r.batch} | {r.predicted:,} | {r.measured:,} "
+            f"| {r.error:+.3f} % | {r.capture} | {r.estimate_seconds:.2f} s |"
         )
     return "\n".join(lines) + "\n\n" + RESIDUALS
 
 
 def to_json(rows: list[Row]) -> dict:
-    return {"summary": summary(rows), "rows": [asdict(r) | {"error_pct": r.error} for r in rows]}
+    return {"summary": summary(rows), "host": cpu.host(),
+            "rows": [asdict(r) | {"error_pct": r.error} for r in rows]}

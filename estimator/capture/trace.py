@@ -8,6 +8,7 @@ runs it at several sizes and fits, see ``estimator.estimate``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.errors import CaptureError, FxmemError, SequenceNotSymbolic, SymbolicCaptureFailed
 from estimator.strategy import DEFAULT, Strategy
 from estimator.symbolic import B, NotPolynomial, Poly, S
+from estimator.target import cpu as cpu_target
 from estimator.target.spec import TargetSpec
 
 
@@ -61,6 +63,7 @@ class RawCapture:
     # micro-batch byte counts (in the micro-batch's rows b) whose per-row bytes the number of
     # micro-batches does not divide: their coefficients in the step's b were rounded up
     rounded: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -123,14 +126,37 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
 
+    notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
-        return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order))
+        return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order), notes=notes)
     raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k)
-    raw.grad_order = tuple(grad_order)
+    raw.grad_order, raw.notes = tuple(grad_order), notes
     return raw
+
+
+def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set, micro: int) -> tuple[str, ...]:
+    """Measure the calls the corrections mark ``@measured`` on this host (CPU target,
+    ``estimator.target.cpu``), in the capture's batch symbol (the micro-batch with
+    accumulation)."""
+    calls = [op.kernel for op in tracker.ops if op.kernel is not None]
+    if not calls:
+        return ()
+    if shape_env is None:
+        return cpu_target.price(calls, tracker.storages, tracker.ops, batch=micro)
+    canonical = {shape_env.replace(s) for s in batch}
+    symbol = next(iter(canonical))
+
+    def values(m: int) -> dict:  # every symbol that is a function of the batch alone, at batch m
+        at_m = {c: sympy.Integer(m) for c in canonical}
+        known = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+        subs = {s: sympy.sympify(shape_env.replace(s)).xreplace(at_m) for s in [*known, *batch]}
+        return {s: v for s, v in subs.items() if v.is_Integer} | at_m
+
+    values = functools.cache(values)
+    return cpu_target.price(calls, tracker.storages, tracker.ops, batch=micro, symbol=symbol, values=values)
 
 
 @contextlib.contextmanager

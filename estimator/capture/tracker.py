@@ -21,6 +21,7 @@ from estimator import corrections
 from estimator.capture.graph import GraphRecorder
 from estimator.categories import Category, Phase
 from estimator.symbolic import as_expr
+from estimator.target.cpu import KernelCall
 from estimator.target.spec import TargetSpec
 
 # Ops that bookkeep rather than compute: never an allocation.
@@ -49,6 +50,7 @@ class OpEvent:
     allocs: list[int] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)  # freed after this op, before the next
     scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
+    kernel: KernelCall | None = None  # a call measured on the host (CPU target), priced after the capture
     owner: str | None = None  # optimizer phase: the one parameter whose tensors this op reads or writes
 
 
@@ -146,12 +148,19 @@ class Tracker(TorchDispatchMode):
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
         index = len(self.ops)
         self.ops.append(event)
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        leaves = tree_flatten(out)[0]
+        outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        new = {}  # id of an output tensor whose storage this op allocated -> its key
         for i, t in enumerate(outputs):
             key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))
             if key is not None:
                 event.allocs.append(key)
+                new[id(t)] = key
         event.scratch = tuple(as_expr(x) for x in fix.scratch)
+        if fix.measure:
+            event.kernel = KernelCall.of(func, args, kwargs, index, [
+                (new[id(t)], self.storages[new[id(t)]].nbytes) if id(t) in new else None for t in leaves
+            ])
         if self.phase is Phase.OPTIMIZER:
             event.owner = self._own_outputs(args, outputs, event.allocs)
         return out

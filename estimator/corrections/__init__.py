@@ -1,13 +1,15 @@
 """Per-op knowledge by target, one registry (``registry.py``); the entries live by target and
-op family: ``cpu/`` (oneDNN convolution and RNN, CPU batch norm, losses), ``cuda/`` (attention
-backends, fused kernels, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py`` (fake
-kernels that would fix a symbolic size, for every target).
+op family: ``cpu/`` (measured on the host: convolution, batch norm, flash attention,
+low-precision matmuls and reductions; oneDNN RNN, losses), ``cuda/`` (attention backends,
+fused kernels, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py`` (fake kernels that
+would fix a symbolic size, for every target).
 
 Importing this package registers every entry.
 """
 
 from estimator.corrections import shapes  # noqa: F401  (registers the entries)
-from estimator.corrections.cpu import conv, loss, norm, rnn  # noqa: F401
+from estimator.corrections.cpu import attention as cpu_attention  # noqa: F401
+from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, rnn  # noqa: F401
 from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401
 from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (

@@ -27,6 +27,13 @@ a ``Fix``:
   values because which one is largest can depend on ``b``; each becomes a candidate peak.
 - ``outputs``: replacement outputs, for a fake kernel whose outputs alias where the real
   kernel's do not (the aliasing changes what autograd copies); None keeps them.
+- ``measure``: the op's memory is measured on this host instead (``@measured``, below).
+
+``@measured(op, targets=...)`` marks ops whose memory depends on the host: which kernel runs
+and what scratch it books (oneDNN picks a convolution implementation per CPU ISA, cache size
+and thread count).  Their calls are run once for real on the host at a few batch sizes, alone,
+and the CPU allocator's events give the exact ``output_bytes`` and ``scratch``
+(``estimator.target.cpu``); nothing is fitted on one machine.
 
 A correction that depends on the GPU (SM count, architecture) takes a fourth parameter
 ``spec``: the capture's ``TargetSpec``.
@@ -42,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 
 from estimator.categories import Target
@@ -55,9 +63,11 @@ class Fix:
     output_bytes: dict[int, Any] = field(default_factory=dict)
     scratch: tuple[Any, ...] = ()
     outputs: Any = None
+    measure: bool = False
 
 
 NO_FIX = Fix()
+MEASURE = Fix(measure=True)
 CorrectionFn = Callable[..., Fix]
 # fn(target_spec, func, args, kwargs) -> the function's result, or NotImplemented to run func.
 SubstituteFn = Callable[..., Any]
@@ -91,6 +101,22 @@ def correction(*ops, targets: Iterable[Target]) -> Callable[[CorrectionFn], Corr
                         raise ValueError(f"a {target.value} correction for {overload} is already registered")
                     _REGISTRY[target, overload] = fn
         return fn
+
+    return register
+
+
+def measured(*ops, targets: Iterable[Target]) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+    """Register ``applies(args, kwargs, out) -> bool`` for each op in ``ops``: where it returns
+    True, the call's memory is measured on the host (``Fix(measure=True)``); else nothing is
+    corrected.  One entry per (target, op), like ``@correction``."""
+
+    def register(applies: Callable[..., bool]) -> Callable[..., bool]:
+        def fix(args, kwargs, out) -> Fix:
+            return MEASURE if applies(args, kwargs, out) else NO_FIX
+
+        fix.__doc__, fix.__name__ = applies.__doc__, applies.__name__
+        correction(*ops, targets=targets)(fix)
+        return applies
 
     return register
 
@@ -178,6 +204,17 @@ def numel(t: torch.Tensor):
     return n
 
 
+def is_contiguous(t: torch.Tensor) -> bool:
+    """Row-major contiguity from the stride expressions (no SymInt comparison, no guard)."""
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        size, stride = as_expr(size), as_expr(stride)
+        if size != 1 and sympy.simplify(sympy.sympify(stride) - expected) != 0:
+            return False
+        expected = expected * size
+    return True
+
+
 def nbytes(t: torch.Tensor):
     """Bytes of ``t``'s elements (``numel * itemsize``), an int or a sympy expression."""
     return numel(t) * t.element_size()
@@ -216,7 +253,7 @@ def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
         fix = fn(args, kwargs, out)
     # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such): no device memory.
     wrapped = _wrapped_scalar_bytes(func, args, out) if target is Target.CPU else 0
-    if wrapped:
+    if wrapped and not fix.measure:  # a measured call sees the wrapped scalar itself
         # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
         fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)), fix.outputs)
     return fix

@@ -1,27 +1,64 @@
-"""Normalization corrections (CPU kernels)."""
+"""Batch and layer normalization on the CPU: measured on the host.
+
+``batch_norm_cpu`` (aten/src/ATen/native/Normalization.cpp, kernels in
+aten/src/ATen/native/cpu/batch_norm_kernel.cpp) allocates per-channel statistics and, for
+channels-last or reduced-precision inputs, other temporaries; its backward allocates
+``grad_input`` only when ``output_mask[0]`` asks for it, while the meta kernel always shows one
+(an input-sized tensor too many in training when the input needs no gradient).  What the real
+kernels allocate is measured per call (``estimator.target.cpu``).
+
+``layer_norm_cpu`` (aten/src/ATen/native/layer_norm.cpp) normalizes ``input.contiguous()``: a
+non-contiguous input (ConvNeXt's ``LayerNorm2d``: ``norm(x.permute(0, 2, 3, 1))``) is first
+copied, an input-sized buffer the meta kernel does not show; those calls are measured too.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, bind, correction
-from estimator.symbolic import as_expr
+from estimator.corrections.registry import fake_kernel, is_contiguous, measured
 
 aten = torch.ops.aten
 
 
-@correction(aten.native_batch_norm.default, targets=Target.CPU)
-def native_batch_norm(args, kwargs, out) -> Fix:
-    """``batch_norm_cpu`` (aten/src/ATen/native/Normalization.cpp) computes per-channel mean and
-    inverse std into two temporaries of C floats (``batch_norm_cpu_update_stats_template`` in
-    training, ``batch_norm_cpu_transform_input_template``'s alpha/beta in eval) that the fake
-    kernel does not show.  Measured (fp32 input, C = 32, (4, 32, 8, 8)): eval allocations
-    ``[out, 128, 128, -128, -128]``; train ``[out, 128, 128, 128, 128, -128, -128, ...]``: both
-    2 * C * 4 B on top of the outputs.
-    """
-    a = bind(aten.native_batch_norm.default, args, kwargs)
-    x = a["input"]
-    if x.dtype != torch.float32 or x.dim() < 2:
-        return NO_FIX  # measured for fp32 only
-    return Fix(scratch=(2 * as_expr(x.shape[1]) * 4,))
+@measured(
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_no_training,
+    aten._batch_norm_with_update,
+    aten._batch_norm_no_update,
+    aten.batch_norm_backward,
+    targets=Target.CPU,
+)
+def batch_norm(args, kwargs, out) -> bool:
+    """Every CPU batch norm call, forward and backward."""
+    return True
+
+
+@measured(aten.native_layer_norm.default, aten.native_layer_norm_backward.default, targets=Target.CPU)
+def layer_norm_of_a_strided_input(args, kwargs, out) -> bool:
+    """A CPU layer norm whose input (forward: ``input``; backward: ``grad_out`` or ``input``) is
+    not contiguous (contiguous inputs: the fake kernel is exact)."""
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    return not all(is_contiguous(t) for t in tensors)
+
+
+@fake_kernel(aten.native_layer_norm.default, targets=(Target.CPU, Target.CUDA))
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    """The real kernels (``layer_norm_cpu`` in aten/src/ATen/native/layer_norm.cpp,
+    ``layer_norm_cuda`` in cuda/layer_norm_kernel.cu) normalize ``input.expect_contiguous()``
+    into ``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``: a contiguous output, where the
+    meta kernel keeps a strided input's strides.  The layout decides what later kernels copy
+    (a channels-last gradient reaching a convolution's backward), so the fake run follows the
+    real one; the copy itself is the measured call's (CPU)."""
+    return aten.native_layer_norm.default(input.contiguous(), normalized_shape, weight, bias, eps)
+
+
+@fake_kernel(aten.native_layer_norm_backward.default, targets=(Target.CPU, Target.CUDA))
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """As the forward: ``layer_norm_backward_cpu`` / ``_cuda`` read ``grad_out`` and ``input``
+    contiguous and allocate ``grad_input`` contiguous (LEGACY_CONTIGUOUS_MEMORY_FORMAT)."""
+    return aten.native_layer_norm_backward.default(grad_out.contiguous(), input.contiguous(), normalized_shape, mean,
+                                                   rstd, weight, bias, output_mask)
