@@ -497,7 +497,13 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
             storages[key].extra = storages[key].extra + extra
         ops[call.op].scratch = tuple(ops[call.op].scratch) + tuple(resolved.scratch)
     sizes = [batch] if concrete else [*FIT_SIZES, top]
-    return tuple(_notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed))
+    first = sizes[0]
+
+    def describe(call: KernelCall) -> str:  # at the smallest size measured: numbers, not symbols
+        shapes = [t.shape for t in tree_flatten(at(call, first)[0].args)[0] if isinstance(t, TensorArg)]
+        return f"{call.func} on {shapes[0] if shapes else '()'} at b = {first}"
+
+    return tuple(_notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed, describe))
 
 
 def _measure_plan(calls, plans, at) -> dict[int, dict[int, Measured | None]]:
@@ -534,32 +540,27 @@ def _regimes(call, got: dict[int, Measured], at, symbol, requested: int) -> Reso
     return Resolved(resolved.extra, _undominated([*resolved.scratch, *others], symbol))
 
 
-def _describe(call: KernelCall) -> str:
-    shapes = [t.shape for t in tree_flatten(call.args)[0] if isinstance(t, TensorArg)]
-    return f"{call.func} on {tuple(str(s) for s in shapes[0]) if shapes else '()'}"
-
-
-def _notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed) -> list[str]:
+def _notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed, describe) -> list[str]:
     families = sorted({str(c.func).split(".")[1] for c in calls})
     at_sizes = f"b = {batch}" if concrete else f"b = {', '.join(map(str, sizes))} (linear per allocation, checked)"
     notes = [f"{len(calls)} CPU kernel calls ({', '.join(families)}) measured on this host ({host_text()}) "
              f"at {at_sizes}"]
     if irregular:
         notes.append(f"{len(irregular)} kernel calls book other buffers at some batch sizes (the kernel splits the "
-                     f"batch over threads differently), e.g. {_describe(irregular[0])}: their formulas go through the "
+                     f"batch over threads differently), e.g. {describe(irregular[0])}: their formulas go through the "
                      "requested batch's measurement (exact there, possibly off by a few KB at other batch sizes)")
     if capped:
         notes.append(f"{len(capped)} kernel calls too large to run at b = {batch} ({MAX_CALL_FLOPS / 1e9:.0f} GFLOP / "
-                     f"{MAX_CALL_BYTES / GiB:.0f} GiB per call), e.g. {_describe(capped[0])}: their bytes are "
+                     f"{MAX_CALL_BYTES / GiB:.0f} GiB per call), e.g. {describe(capped[0])}: their bytes are "
                      f"extrapolated from b = {', '.join(map(str, [*FIT_SIZES, FIT_SIZES[-1] + 1]))}")
     if unmeasured:
         notes.append(f"{len(unmeasured)} kernel calls NOT measured (over {MAX_CALL_FLOPS / 1e9:.0f} GFLOP or "
-                     f"{MAX_CALL_BYTES / GiB:.0f} GiB at b = {sizes[0]}), e.g. {_describe(unmeasured[0])}: "
+                     f"{MAX_CALL_BYTES / GiB:.0f} GiB at b = {sizes[0]}), e.g. {describe(unmeasured[0])}: "
                      "their in-kernel scratch is NOT counted (oneDNN's scratchpad: tens of KB per call on the "
                      "shapes measured so far; an fp32 grad_q accumulator for flash attention)")
     if failed:
         call, why = failed[0]
-        notes.append(f"{len(failed)} kernel calls could not run on this host ({why}), e.g. {_describe(call)}: "
+        notes.append(f"{len(failed)} kernel calls could not run on this host ({why}), e.g. {describe(call)}: "
                      "their in-kernel memory is NOT counted")
     return notes
 
