@@ -204,6 +204,15 @@ def numel(t: torch.Tensor):
     return n
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def in_reduced_precision(args, kwargs) -> bool:
+    """Whether an op's first tensor argument (``self``, or the first positional one) is bf16/fp16."""
+    x = args[0] if args else kwargs.get("self")
+    return isinstance(x, torch.Tensor) and x.dtype in _REDUCED
+
+
 def is_contiguous(t: torch.Tensor) -> bool:
     """Row-major contiguity from the stride expressions (no SymInt comparison, no guard)."""
     expected = 1

@@ -361,7 +361,6 @@ class Resolved:
 
     extra: dict[int, Any]
     scratch: tuple[Any, ...]
-    note: str | None = None  # a regime change or a dropped size, in words
 
 
 def _peaks(m: Measured) -> tuple[list[int], int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import fake_kernel, measured
+from estimator.corrections.registry import fake_kernel, is_contiguous, measured
 
 aten = torch.ops.aten
 
@@ -42,11 +42,7 @@ def _without_backend_guard(func):
     def kernel(*args, **kwargs):
         tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
         shape_env = getattr(getattr(tensors[0], "fake_mode", None), "shape_env", None)
-        if shape_env is None:
-            return func(*args, **kwargs)
-        with shape_env.suppress_guards():
-            contiguous = all(t.is_contiguous() for t in tensors)
-        if not contiguous:
+        if shape_env is None or not all(is_contiguous(t) for t in tensors):
             return func(*args, **kwargs)
         with shape_env.suppress_guards():
             return func(*args, **kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import measured
+from estimator.corrections.registry import in_reduced_precision, measured
 
 aten = torch.ops.aten
 
@@ -24,5 +24,4 @@ aten = torch.ops.aten
           aten._addmm_activation.default, targets=Target.CPU)
 def reduced_precision_matmul(args, kwargs, out) -> bool:
     """A bf16/fp16 matrix product (oneDNN); fp32 (MKL) allocates nothing unseen."""
-    x = args[0] if args else kwargs.get("self")
-    return isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16)
+    return in_reduced_precision(args, kwargs)

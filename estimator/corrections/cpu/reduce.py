@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import measured
+from estimator.corrections.registry import in_reduced_precision, measured
 
 aten = torch.ops.aten
-
-_REDUCED = (torch.bfloat16, torch.float16)
 
 
 @measured(
@@ -29,5 +27,4 @@ _REDUCED = (torch.bfloat16, torch.float16)
 )
 def reduced_precision_reduction(args, kwargs, out) -> bool:
     """A reduction or adaptive pool of a bf16/fp16 tensor (fp32 tensors: the fake is exact)."""
-    x = args[0] if args else kwargs.get("self")
-    return isinstance(x, torch.Tensor) and x.dtype in _REDUCED
+    return in_reduced_precision(args, kwargs)
