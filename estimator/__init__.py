@@ -40,6 +40,8 @@ _LAZY = {
     "Poly": "estimator.symbolic",
     "CudaMemory": "estimator.target.cuda",
     "Overhead": "estimator.target.cuda",
+    "register_op": "estimator.custom_ops",
+    "unregister_op": "estimator.custom_ops",
 }
 
 __all__ = [
@@ -73,7 +75,9 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan",
+    "register_op",
     "report",
+    "unregister_op",
 ]
 __version__ = "0.1.0"
 

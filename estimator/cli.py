@@ -50,7 +50,9 @@ class Options:
     gpu: str | None
     amp: str | None
     seq: tuple[str, ...]
+    batch_dim: tuple[str, ...]
     alloc_conf: str | None
+    data_dependent: tuple[str, ...]
     device_init: str
     quiet: bool
     accumulate: int
@@ -75,19 +77,36 @@ def model_options(func=None, *, strategy: bool = True):
             "--batch", "-b", type=click.IntRange(min=1), metavar="N",
             help="batch size to evaluate at (default: 8 for zoo models, else the sample's).",
         ),
-        click.option("--mode", "-m", type=click.Choice(MODES), default="train", show_default=True, help="step to predict."),
+        click.option("--mode", "-m", type=click.Choice(MODES, case_sensitive=False), default="train", show_default=True,
+                     help="step to predict."),
         click.option(
             "--optimizer", "-o", metavar="NAME",
-            help="sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, … or 'none' (default: adamw; train only).",
+            help="sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, … or 'none' (default: adamw; ignored, with "
+                 "a note, in inference).",
         ),
-        click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16")), help="parameter dtype (default: as built)."),
-        click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="target device."),
+        click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16"), case_sensitive=False),
+                     help="parameter dtype (default: as built)."),
+        click.option("--device", callback=_device, default="cpu", show_default=True, metavar="DEVICE",
+                     help="target device: cpu or cuda (an index such as cuda:1 is accepted)."),
         click.option("--gpu", metavar="GPU", help="CUDA GPU to predict for: H100, A100-40GB, sm_90, 80GiB (--device cuda)."),
-        click.option("--amp", type=click.Choice(("fp16", "bf16")), help="mixed precision: autocast (+ GradScaler for fp16)."),
+        click.option("--amp", type=click.Choice(("fp16", "bf16"), case_sensitive=False),
+                     help="mixed precision: autocast (+ GradScaler for fp16)."),
         click.option(
             "--seq", multiple=True, metavar="KEY:DIM",
             help="make a sample dim the sequence length s (formulas in b and s): input_ids:1 for a dict "
                  "sample, 0:1 for a tuple, 1 for a single tensor; repeat for several tensors.",
+        ),
+        click.option(
+            "--batch-dim", "batch_dim", multiple=True, metavar="[KEY:]DIM",
+            help="the sample's batch dim when it is not 0: 1 for every tensor (a sequence-first (seq, batch, d) "
+                 "sample of nn.LSTM / nn.Transformer with batch_first=False), input:1 for a dict sample's key, 0:1 "
+                 "for a tuple's position; repeat for several tensors.",
+        ),
+        click.option(
+            "--data-dependent", "data_dependent", multiple=True, metavar="POLICY",
+            help="sizes fake tensors cannot know (x[mask], nonzero, MoE routing): max (default, the upper "
+                 "bound), sample (observed on the sample; real weights, so --device-init cpu), a fraction "
+                 "such as 0.5, or SITE=N for one call site (the report's notes name them); repeatable.",
         ),
         click.option("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to model (--device cuda; "
                      "default: the environment's)."),
@@ -114,7 +133,8 @@ STRATEGY_OPTIONS = [
                  "(1: ZeroRedundancyOptimizer, 2/3: FSDP2 fully_shard, reshard_after_forward False/True)."),
     click.option("--pipeline", type=click.IntRange(min=1), default=1, metavar="S", help="pipeline over S stages."),
     click.option("--microbatches", type=click.IntRange(min=1), metavar="M", help="pipeline micro-batches (default S)."),
-    click.option("--schedule", type=click.Choice(("1f1b", "gpipe")), default="1f1b", show_default=True,
+    click.option("--schedule", type=click.Choice(("1f1b", "gpipe"), case_sensitive=False), default="1f1b",
+                 show_default=True,
                  help="pipeline schedule."),
     click.option("--master-weights", is_flag=True,
                  help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
@@ -143,8 +163,6 @@ def _options(kwargs) -> Options:
         if value is not None and opts.device != "cuda":
             raise InputError(f"{flag} {value} needs --device cuda (it describes the CUDA target), "
                              f"got --device {opts.device}")
-    if opts.optimizer is not None and opts.mode != "train":
-        raise InputError(f"--optimizer applies to --mode train only, got --mode {opts.mode}")
     return opts
 
 
@@ -178,10 +196,25 @@ def _estimate(opts: Options, run=None, **extra):
         gpu=opts.gpu,
         alloc_conf=opts.alloc_conf,
         dynamic=_dynamic(opts.seq),
+        data_dependent=_data_dependent(opts.data_dependent),
+        batch_dims=_batch_dims(opts.batch_dim),
         **extra,
     )
     _status(opts, f"done in {time.perf_counter() - start:.1f} s")
     return result
+
+
+def _data_dependent(specs: tuple[str, ...]):
+    """``--data-dependent sample --data-dependent 'moe:nonzero#0=100'`` -> ``report(data_dependent=)``."""
+    policy: dict = {}
+    for spec in specs:
+        site, eq, value = spec.rpartition("=")
+        key = site if eq else "*"
+        try:
+            policy[key] = int(value) if eq and value.isdigit() else float(value)
+        except ValueError:
+            policy[key] = value
+    return policy or None
 
 
 def _dynamic(specs: tuple[str, ...]) -> dict | None:
@@ -203,6 +236,35 @@ def _dynamic(specs: tuple[str, ...]) -> dict | None:
     if single and len(single) != len(dynamic):
         raise InputError("--seq: give either DIM alone (a single-tensor sample) or KEY:DIM forms, not both")
     return dynamic
+
+
+def _batch_dims(specs: tuple[str, ...]):
+    """``--batch-dim 1`` -> ``report(batch_dims=1)``; ``--batch-dim src:1 --batch-dim 1:0`` ->
+    ``{"src": 1, 1: 0}`` (a dict key, or a tuple position)."""
+    from estimator.errors import InputError
+
+    if not specs:
+        return None
+    dims: dict = {}
+    for spec in specs:
+        key, _, dim = spec.rpartition(":")
+        if not dim.lstrip("-").isdigit():
+            raise InputError(f"--batch-dim {spec!r}: expected DIM (1), KEY:DIM (input:1) or POSITION:DIM (0:1)")
+        if not key:
+            if len(specs) > 1:
+                raise InputError("--batch-dim: give either DIM alone (every tensor) or KEY:DIM forms, not both")
+            return int(dim)
+        dims[int(key) if key.isdigit() else key] = int(dim)
+    return dims
+
+
+def _device(ctx, param, value: str) -> str:
+    """``--device``: cpu or cuda, any case, an index allowed (``cuda:1``)."""
+    name, _, index = value.strip().lower().partition(":")
+    if name not in DEVICES or (index and not index.isdigit()):
+        raise click.BadParameter(f"{value!r}: expected one of {', '.join(DEVICES)} (an index such as cuda:1 is "
+                                 "accepted)")
+    return name
 
 
 def _quiet_torch_import() -> None:

@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from estimator import step
-from estimator.account import CATEGORIES, Timeline, account, fit_timelines
-from estimator.capture.trace import StepSpec, capture
+from estimator.account import CATEGORIES, Timeline
+from estimator.capture import datadep
+from estimator.capture import path as capture_path
+from estimator.capture.path import Captured, Formula
+from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
-from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
-from estimator.report.result import CapturePath, ModuleRow, Piece, RankReport, Report
+from estimator.errors import InputError
+from estimator.report.result import ModuleRow, Piece, RankReport, Report
 from estimator.strategy import DEFAULT, Strategy, blocks, select
-from estimator.strategy.ranks import RankStep, per_rank
-from estimator.symbolic import ZERO, NotPolynomial, Poly, nondominated
+from estimator.strategy.ranks import per_rank
+from estimator.symbolic import ZERO, Poly, nondominated
 from estimator.target import cuda
 from estimator.target.spec import target_spec
-
-log = logging.getLogger(__name__)
+from estimator.units import as_int
 
 DEVICES = ("cpu", "cuda")
+DEFAULT_OPTIMIZER = "adamw"
 
 
 def report(
@@ -32,7 +36,7 @@ def report(
     sample: Any,
     batch: int | None = None,
     mode: str = "train",
-    optimizer: str | step.OptimizerFactory | None = "adamw",
+    optimizer: str | step.OptimizerFactory | None = DEFAULT_OPTIMIZER,
     loss_fn: step.LossFn | None = None,
     device: str = "cpu",
     gpu: str | int | None = None,
@@ -41,6 +45,8 @@ def report(
     grad_scaler: bool | None = None,
     dynamic: Mapping | None = None,
     strategy: Strategy | None = None,
+    data_dependent: Any = "max",
+    batch_dims: int | Mapping | None = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -48,17 +54,24 @@ def report(
     so the result is a formula in ``b`` that ``Report.at`` / ``Report.max_batch`` evaluate.
 
     Args:
-        model: the ``nn.Module`` (real or ``meta``-device weights; it is not modified).
+        model: the ``nn.Module`` (real or ``meta``-device weights; it is not modified, and nothing
+            fake reaches the objects it or its hooks hold: see "Hooks" below).  A
+            ``torch.compile``d module is estimated as eager (noted); a ``torch.jit`` scripted or
+            traced one cannot be captured (pass the eager module).
         sample: one example input: a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``);
-            dim 0 of every tensor is the batch, of any size.
-        batch: the batch size to evaluate at (default: the sample's).
+            dim 0 of every tensor is the batch (``batch_dims`` names another), of any size.
+        batch: the batch size to evaluate at (default: the sample's); any integer
+            (``numpy.int64`` too).
         mode: ``"train"`` (forward, loss, backward, optimizer step) or ``"inference"``
-            (``eval()`` + ``no_grad``).
+            (``eval()`` + ``no_grad``); any case.
         optimizer: a name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, …), a callable
-            ``params -> Optimizer``, or None (no optimizer step).
+            ``params -> Optimizer``, or None (no optimizer step).  Inference has no optimizer
+            step: an optimizer other than the default is ignored there, with a note (as on the
+            command line).
         loss_fn: ``loss_fn(output, sample) -> scalar``; default ``output.loss`` if present, else
             the mean of the first floating-point output.
-        device: the target whose memory is predicted: ``"cpu"`` (exact against PyTorch's CPU
+        device: the target whose memory is predicted (a ``torch.device`` or string, any case, an
+            index such as ``"cuda:1"`` allowed): ``"cpu"`` (exact against PyTorch's CPU
             allocator) or ``"cuda"``: the step as CUDA runs it (attention backends, fused
             kernels, foreach optimizers), replayed through a model of the caching allocator;
             ``peak_bytes`` is then the predicted ``torch.cuda.max_memory_allocated()``,
@@ -68,7 +81,7 @@ def report(
             memory is the default budget of ``fits``/``max_batch``.  Default: an H100 (noted).
         alloc_conf: CUDA only: a ``PYTORCH_CUDA_ALLOC_CONF`` string (default: the
             environment's); options the allocator model cannot honour raise ``InputError``.
-        amp: mixed precision: ``"fp16"`` or ``"bf16"`` runs the forward and the loss inside
+        amp: mixed precision: ``"fp16"`` or ``"bf16"`` (any case) runs the forward and the loss inside
             ``torch.autocast(device, dtype)`` (the target's op lists: CUDA's for
             ``device="cuda"``); None (default): no autocast.
         grad_scaler: train with ``torch.amp.GradScaler`` (``scaler.scale(loss).backward();
@@ -92,6 +105,27 @@ def report(
             spread the step over devices: ``b`` is then each data-parallel rank's batch (a
             pipeline's: the pipeline's), the report is the worst device's and
             ``Report.ranks`` holds every rank's (see ``estimator.strategy.Strategy``).
+        data_dependent: the sizes fake tensors cannot know (``torch.nonzero``, ``x[mask]``,
+            ``masked_select``, ``unique``; ``n`` with ``0 ≤ n ≤`` the mask's elements): ``"max"``
+            (default) the upper bound, the safe worst case; ``"sample"`` the sizes observed by one
+            real forward of the model (real weights needed) on ``sample``, scaled per batch row; a
+            fraction of the upper bound; or ``{site: n | fraction | "max" | "sample", "*": default}``
+            per call site (the notes name each site: ``"<module>:<op>#<k>"``).  Where the step needs
+            a data-dependent *value* (``.item()``, ``if tensor:``) the real forward gives it.
+        batch_dims: the batch dimension of the sample's tensors when it is not dim 0, addressed as
+            ``dynamic`` is: a plain int for every tensor (``batch_dims=1`` for a sequence-first
+            ``(seq, batch, d)`` sample of ``nn.LSTM``/``nn.GRU``/``nn.Transformer*`` with
+            ``batch_first=False``), or ``{key: dim}`` by dict key / tuple position (other tensors:
+            dim 0).  That dim becomes ``b`` (and is what gradient accumulation splits).  Without
+            it, a sequence-first module in the model gets a note.
+
+    Hooks: hooks registered on the model's modules run in the fake run, on the copy: each hook
+    function is copied with the lists, dicts and sets it reaches (closure, globals), so what it
+    keeps alive is counted and nothing fake lands in the user's objects.  Global module hooks
+    (``register_module_forward_hook`` …) are not run during the capture (noted).  Real tensors
+    the step meets that are neither the model's nor the sample's (module-level constants, a
+    target ``loss_fn`` closes over) are counted -- as a buffer in the model's forward, else as
+    an input (one with the sample's batch size follows ``b``) -- and named in the notes.
 
     Returns:
         A frozen ``Report``.
@@ -107,7 +141,7 @@ def report(
     through data-dependent shapes cannot be captured); sample tensors become contiguous.
     """
     request = _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
-                       dynamic, strategy)
+                       dynamic, strategy, data_dependent, batch_dims)
     return _result(request, _capture_step(request))
 
 
@@ -119,7 +153,8 @@ class _Request:
     sample: Any
     spec: StepSpec
     batch: int
-    dynamic: Mapping | None
+    seq_dims: dict[int, tuple[int, ...]] | None  # dynamic=: id(sample tensor) -> the dims that are s
+    seq: int | None  # the sample's sequence length (dynamic=)
     optimizer_name: str | None
     notes: tuple[str, ...]  # what the checks found worth saying (the default GPU, ...)
 
@@ -147,34 +182,99 @@ class _Request:
 
 
 def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler, dynamic,
-             strategy) -> _Request:
-    if not isinstance(model, nn.Module):
-        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    sample_batch = _sample_batch(sample)
-    batch = sample_batch if batch is None else batch
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
-        raise InputError(f"batch must be a positive int, got {batch!r}")
-    try:
-        mode_ = Mode(mode)
-    except ValueError:
-        raise InputError(f"mode must be 'train' or 'inference', got {mode!r}") from None
-    device_ = str(device.type if isinstance(device, torch.device) else device)
-    if device_ not in DEVICES:
-        raise InputError(f"device must be one of {DEVICES}, got {device!r}")
+             strategy, data_dependent="max", batch_dims=None) -> _Request:
+    notes = []
+    model = _module(model, notes)
+    sample_batch, dims = _sample_layout(sample, batch_dims)
+    batch = sample_batch if batch is None else as_int(batch, "batch")
+    mode_ = _mode(mode)
+    device_ = _device(device)
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
-    target, notes = target_spec(device_, gpu, alloc_conf)
+    seq_dims, seq = _seq_dims(sample, dynamic, dims)
+    target, target_notes = target_spec(device_, gpu, alloc_conf)
+    notes = [*target_notes, *notes]
     factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
     strategy = _strategy(strategy, mode_, model, batch)
     if strategy.master_weights:
         factory = _master_weights(model, factory)
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
     precision = step.Precision.of(amp, grad_scaler, mode_)
-    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy)
+    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy,
+                    datadep.Policy.of(data_dependent), dims)
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
+    if mode_ is not Mode.TRAIN and optimizer is not None and optimizer != DEFAULT_OPTIMIZER:
+        notes.append(f"optimizer={_optimizer_name(optimizer)!r} is ignored: inference has no optimizer step")
+    if batch_dims is None:
+        notes.extend(_sequence_first(model))
     name = _optimizer_name(optimizer) if mode_ is Mode.TRAIN else None
-    return _Request(model, sample, spec, batch, dynamic, name, tuple(notes))
+    return _Request(model, sample, spec, batch, seq_dims, seq, name, tuple(notes))
+
+
+def _module(model, notes: list[str]) -> nn.Module:
+    """``model`` checked: an ``nn.Module``, not scripted; a ``torch.compile`` wrapper unwrapped
+    (noted: the step is estimated as eager)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    scripted = [(f"module {path!r}" if path else "the model", type(m).__name__) for path, m in model.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        (where, kind), = scripted[:1]
+        raise InputError(f"{where} is a torch.jit scripted or traced module ({kind}): fxmem captures the eager step "
+                         "and cannot run a scripted one on fake tensors; pass the eager module (the one given to "
+                         "torch.jit.script / torch.jit.trace)")
+    compiled = []
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        compiled.append("the model")
+        model = model._orig_mod
+    compiled += [path for path, m in model.named_modules()
+                 if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        notes.append(f"{compiled[0]} is compiled with torch.compile: estimated as eager; compiled steps (fused "
+                     "kernels, CUDA graphs) are not modelled")
+    return model
+
+
+def _mode(mode) -> Mode:
+    try:
+        return Mode(mode.lower() if isinstance(mode, str) else mode)
+    except ValueError:
+        raise InputError(f"mode must be 'train' or 'inference', got {mode!r}") from None
+
+
+def _device(device) -> str:
+    """The target's device type from a ``torch.device`` or a string (any case; an index such as
+    ``"cuda:1"`` names a device of that type: the prediction is the same for each)."""
+    if isinstance(device, torch.device):
+        name = device.type
+    elif isinstance(device, str):
+        name, _, index = device.strip().lower().partition(":")
+        if index and not index.isdigit():
+            name = device
+    else:
+        name = device
+    if name not in DEVICES:
+        raise InputError(f"device must be one of {DEVICES} (or e.g. 'cuda:1'), got {device!r}")
+    return name
+
+
+_SEQUENCE_FIRST = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                   nn.Transformer)
+
+
+def _sequence_first(model: nn.Module) -> list[str]:
+    """A note when a module reads dim 1 of its input as the batch (``batch_first=False``) but the
+    sample's batch is dim 0 (no ``batch_dims``)."""
+    found = [(path, m) for path, m in model.named_modules()
+             if isinstance(m, _SEQUENCE_FIRST) and getattr(m, "batch_first", True) is False]
+    if not found:
+        return []
+    path, m = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return [f"{type(m).__name__} {path or '(the model)'!r}{more} is sequence-first (batch_first=False): it reads "
+            "dim 1 of its input as the batch, but b is dim 0 of the sample; if the sample is (seq, batch, ...), pass "
+            "batch_dims=1 (fxmem --batch-dim 1), else the formula is in the sequence length"]
 
 
 def _master_weights(model: nn.Module, factory):
@@ -198,7 +298,7 @@ def _precision_of(strategy: Strategy, amp, grad_scaler):
             grad_scaler if grad_scaler is not None else strategy.grad_scaler)
 
 
-def _result(request: _Request, step_: _Captured) -> Report:
+def _result(request: _Request, step_: Captured) -> Report:
     """The report of ``request`` from its captured step: one device's, or every rank's."""
     spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
     notes = [*request.notes, *step_.notes]
@@ -242,97 +342,22 @@ def _result(request: _Request, step_: _Captured) -> Report:
     return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Formula:
-    """The captured single-device step as formulas (before any batch is evaluated)."""
-
-    timeline: Timeline
-    path: CapturePath
-    valid_from: int
-    valid_to: int | None
-    guards: tuple[str, ...]
-    graph: Any
-    seq: int | None
-    seq_range: tuple[int, int | None] | None
-    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
-
-    @property
-    def seq_range_lo(self) -> int:
-        return (self.seq_range or (0,))[0]
+def _capture_formula(request: _Request) -> Formula:
+    """The request's single-device step as formulas (``capture.path.formula``: symbolic, ``b`` alone, or
+    concrete fits).  Requests with the same ``capture_key`` share it."""
+    return capture_path.formula(request.model, request.sample, request.capture_spec, request.batch,
+                                request.microbatches, request.seq_dims, request.seq)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Captured(_Formula):
-    """The formulas of one request (a pipeline's in its batch) and the timeline at its batch."""
-
-    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
-    outside: bool = False
-
-
-def _capture_formula(request: _Request) -> _Formula:
-    """Capture the step symbolically (b, and s when ``dynamic``), falling back to b alone and
-    then to fitted concrete captures.  Requests with the same ``capture_key`` share it."""
-    model, sample, spec, notes = request.model, request.sample, request.capture_spec, []
-    seq_dims, seq = _seq_dims(sample, request.dynamic)
-    hint = max(request.batch // request.microbatches, 2)
-    if hint == seq:
-        hint += 1  # equal hints would make b and s one symbol (duck sizing)
-    graph, seq_range = None, None
-    try:
-        try:
-            raw = capture(model, sample, spec, hint, symbolic=True, seq_dims=seq_dims)
-        except SymbolicCaptureFailed as exc:  # with s symbolic: try again with b alone first
-            if seq is None:
-                raise
-            log.info("s could not stay symbolic (%s); capturing with b symbolic only", exc)
-            notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
-            seq = None
-            raw = capture(model, sample, spec, hint, symbolic=True)
-        timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
-        notes.extend(raw.notes)
-        if raw.rounded:
-            notes.append(_rounded_note(spec.strategy.accumulate, raw.rounded))
-        valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
-    except SymbolicCaptureFailed as exc:
-        log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph, valid_to, note, host_notes = _concrete(model, sample, spec, hint, exc)
-        path, guards, valid_from = CapturePath.CONCRETE, (), 2
-        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
-        notes.extend(host_notes)
-        if seq is not None:
-            notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
-            seq = None
-    _annotate(graph, timeline)
-    return _Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes))
-
-
-def _capture_step(request: _Request, formula: _Formula | None = None) -> _Captured:
-    """The captured step of ``request`` (``formula``: its capture, when shared): evaluated at the
-    request's batch -- a concrete capture there when it lies outside the formula's range -- and,
-    for a pipeline, turned into formulas in the pipeline's batch."""
+def _capture_step(request: _Request, formula: Formula | None = None) -> Captured:
+    """The captured step of ``request`` (``formula``: its capture, when shared) at the request's
+    batch (``capture.path.at_batch``)."""
     formula = formula or _capture_formula(request)
-    timeline, seq, notes = formula.timeline, formula.seq, list(formula.notes)
-    m = request.microbatches
-    batch = request.batch // m
-    valid_from, valid_to = formula.valid_from, formula.valid_to
-    at_batch = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
-    outside = batch < valid_from or (valid_to is not None and batch > valid_to)
-    if outside:  # the formula does not hold here: capture this batch size itself
-        at_batch = account(capture(request.model, request.sample, request.capture_spec, batch, symbolic=False))
-        notes.append(f"b={request.batch} is outside the formula's range; its numbers come from a capture at "
-                     f"b={request.batch}")
-    if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
-        try:
-            timeline, at_batch = _per_micro(timeline, m), _per_micro(at_batch, m)
-        except NotPolynomial:
-            timeline, at_batch = _per_micro(timeline, m, True), _per_micro(at_batch, m, True)
-            notes.append(_rounded_note(m))
-        valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
-    return _Captured(**{**vars(formula), "timeline": timeline, "valid_from": valid_from, "valid_to": valid_to,
-                        "notes": tuple(notes)}, at_batch=at_batch, outside=outside)
+    return capture_path.at_batch(request.model, request.sample, request.capture_spec, request.batch,
+                                 request.microbatches, formula)
 
 
-def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: _Captured, common: dict) -> Report:
+def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: Captured, common: dict) -> Report:
     """The report of one device's step: the peak's pieces (formulas), the peak at the batch
     with its breakdown, module rows and, on CUDA, the allocator's view."""
     target, batch, seq = common["target"], common["batch"], common["seq"]
@@ -359,19 +384,6 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: _
     )
 
 
-def _per_micro(timeline: Timeline, m: int, round_up: bool = False) -> Timeline:
-    """``timeline`` of micro-batches of ``b / m`` rows: its storages' and scratch bytes mapped by
-    ``Poly.per_micro``, the live bytes recomputed from them."""
-    return RankStep.of(timeline).per_micro(m, round_up).timeline()
-
-
-def _rounded_note(k: int, examples: tuple[str, ...] = ()) -> str:
-    shown = f" (e.g. a tensor of {examples[0]} bytes for a micro-batch of b rows)" if examples else ""
-    return (f"some tensors' bytes per sample are not a multiple of {k}{shown}: their coefficients in b (the step's "
-            f"batch, {k} micro-batches of b/{k}) are rounded up, so the formula may be high by less than b bytes "
-            "per such tensor")
-
-
 def _batch_note(strategy: Strategy) -> str:
     k = strategy.multiple
     if strategy.pipeline > 1:
@@ -388,38 +400,42 @@ def _strategy(strategy: Strategy | None, mode: Mode, model: nn.Module, batch: in
         raise InputError(f"strategy must be an estimator.strategy.Strategy, got {type(strategy).__name__}")
     if mode is not Mode.TRAIN and dataclasses.replace(strategy, amp=None, grad_scaler=None) != DEFAULT:
         raise InputError(f"strategy={strategy.describe()!r}: strategies apply to mode='train' only")
-    strategy.check_batch(batch)
-    strategy.checkpointed(model)
-    select(model, strategy.shard_modules, "shard_modules")
     if strategy.pipeline > 1 and (strategy.split_points is not None or len(blocks(model)) < strategy.pipeline):
         from estimator.strategy import pipeline
 
-        pipeline.split(model, strategy)  # the cut's errors before the capture
+        pipeline.split(model, strategy)  # the cut's errors (too few stages) before the batch's and the capture
+    strategy.check_batch(batch)
+    strategy.checkpointed(model)
+    select(model, strategy.shard_modules, "shard_modules")
     return strategy
 
 
-def _seq_dims(sample: Any, dynamic: Mapping | None) -> tuple[dict[int, tuple[int, ...]] | None, int | None]:
-    """``dynamic`` as ``{id(sample tensor): dims}`` and the sequence length they share."""
+def _seq_dims(sample: Any, dynamic: Mapping | None, batch_dims: tuple[int, ...] | None = None,
+              ) -> tuple[dict[int, tuple[int, ...]] | None, int | None]:
+    """``dynamic`` as ``{id(sample tensor): dims}`` and the sequence length they share
+    (``batch_dims``: per leaf of ``tree_flatten(sample)``, the dims that are ``b``)."""
     if dynamic is None:
         return None, None
     if not isinstance(dynamic, Mapping) or not dynamic:
         raise InputError(f"dynamic must be a non-empty dict such as {{'input_ids': {{1: 's'}}}}, got {dynamic!r}")
     if isinstance(sample, torch.Tensor) and all(isinstance(k, int) and isinstance(v, str) for k, v in dynamic.items()):
         dynamic = {None: dynamic}  # {1: "s"} for a single-tensor sample
+    batch_dim = _dims_by_id(sample, batch_dims)
     seq_dims, sizes = {}, {}
     for key, dims in dynamic.items():
-        t = sample if key is None else _lookup(sample, key)
+        t = sample if key is None else _lookup(sample, key, "dynamic", "{1: 's'}")
         if not isinstance(dims, Mapping) or not dims:
             raise InputError(f"dynamic[{key!r}] must map dims to 's', e.g. {{1: 's'}}, got {dims!r}")
+        bd = batch_dim.get(id(t), 0)
         for d, name in dims.items():
-            if name == "b" and d == 0:
-                continue  # dim 0 is the batch anyway
+            if name == "b" and d == bd:
+                continue  # the batch dim is the batch anyway
             if name != "s":
                 raise InputError(f"dynamic[{key!r}][{d!r}] = {name!r}: only 's' (sequence length) is supported "
-                                 "besides dim 0 = 'b'")
-            if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < t.dim():
-                raise InputError(f"dynamic[{key!r}]: dim {d!r} is not a dim of that tensor (shape "
-                                 f"{tuple(t.shape)}; dim 0 is the batch)")
+                                 f"besides dim {bd} = 'b'")
+            if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < t.dim() or d == bd:
+                raise InputError(f"dynamic[{key!r}]: dim {d!r} is not a dim of that tensor besides the batch (shape "
+                                 f"{tuple(t.shape)}; dim {bd} is the batch)")
             seq_dims.setdefault(id(t), ())
             seq_dims[id(t)] += (d,)
             sizes.setdefault(t.shape[d], f"{key!r}[{d}]")
@@ -432,34 +448,28 @@ def _seq_dims(sample: Any, dynamic: Mapping | None) -> tuple[dict[int, tuple[int
     return seq_dims, seq
 
 
-def _lookup(sample: Any, key) -> torch.Tensor:
+def _lookup(sample: Any, key, argument: str, single: str) -> Any:
+    """``sample[key]`` for ``report(argument=)`` (a tensor for ``dynamic``, anything holding
+    tensors for ``batch_dims``)."""
     try:
         t = sample[key]
     except (KeyError, IndexError, TypeError):
         where = list(sample) if isinstance(sample, Mapping) else (
-            f"positions 0..{len(sample) - 1}" if isinstance(sample, Sequence) else "a single tensor: use {1: 's'}")
-        raise InputError(f"dynamic names {key!r}, which the sample does not have ({where})") from None
-    if not isinstance(t, torch.Tensor):
+            f"positions 0..{len(sample) - 1}" if isinstance(sample, Sequence) else f"a single tensor: use {single}")
+        raise InputError(f"{argument} names {key!r}, which the sample does not have ({where})") from None
+    if argument == "dynamic" and not isinstance(t, torch.Tensor):
         raise InputError(f"dynamic names {key!r}, which is a {type(t).__name__}, not a tensor")
     return t
 
 
-def _annotate(graph, timeline: Timeline) -> None:
-    """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
-    allocated by category, its module path and phase."""
-    nodes = {node.name: node for node in graph.nodes}
-    for op in timeline.ops:
-        node = nodes.get(op.node)
-        if node is not None:
-            node.meta["fxmem"] = {
-                "live": op.total.expr,
-                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO},
-                "module": op.module,
-                "phase": op.phase,
-            }
+def _sample_batch(sample: Any, batch_dims: int | Mapping | None = None) -> int:
+    """The sample's batch size (``batch_dims``: ``report``'s argument)."""
+    return _sample_layout(sample, batch_dims)[0]
 
 
-def _sample_batch(sample: Any) -> int:
+def _sample_layout(sample: Any, batch_dims: int | Mapping | None) -> tuple[int, tuple[int, ...] | None]:
+    """The sample checked: its batch size and the batch dim of each leaf of ``tree_flatten(sample)``
+    (None: dim 0 of every tensor)."""
     if not isinstance(sample, (torch.Tensor, Mapping, Sequence)) or isinstance(sample, (str, bytes)):
         raise InputError(
             f"sample must be a tensor, a tuple/list or a dict of tensors, got {type(sample).__name__}"
@@ -467,15 +477,54 @@ def _sample_batch(sample: Any) -> int:
     named = list(_named_tensors(sample))
     if not named:
         raise InputError("the sample holds no tensor: give at least one tensor whose dim 0 is the batch")
-    sizes = {}
     for path, t in named:
         if t.dim() == 0:
-            raise InputError(f"sample tensor {path or 'sample'} is a scalar: every tensor needs dim 0 = batch")
-        sizes.setdefault(t.shape[0], path or "sample")
+            raise InputError(f"sample tensor {path or 'sample'} is a scalar: every tensor needs a batch dim")
+    dims = _batch_dims(sample, batch_dims)
+    dim_of = _dims_by_id(sample, dims)
+    sizes = {}
+    for path, t in named:
+        sizes.setdefault(t.shape[dim_of.get(id(t), 0)], f"{path or 'sample'}" + (
+            f" (dim {dim_of.get(id(t), 0)})" if dims is not None else ""))
     if len(sizes) > 1:
         detail = ", ".join(f"{name}: {size}" for size, name in sizes.items())
-        raise InputError(f"the sample's tensors disagree on the batch size (dim 0): {detail}")
-    return next(iter(sizes))
+        which = "dim 0" if dims is None else "their batch_dims"
+        raise InputError(f"the sample's tensors disagree on the batch size ({which}): {detail}")
+    return next(iter(sizes)), dims
+
+
+def _batch_dims(sample: Any, batch_dims: int | Mapping | None) -> tuple[int, ...] | None:
+    """``report(batch_dims=)`` as the batch dim of each leaf of ``tree_flatten(sample)`` (None
+    when not given): a plain int for every tensor, or ``{key: dim}`` by dict key / tuple
+    position (the tensors under that key; other tensors dim 0)."""
+    if batch_dims is None:
+        return None
+    chosen: dict[int, int] = {}
+
+    def assign(value, d, where: str) -> None:
+        for t in tree_flatten(value)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not -t.dim() <= d < t.dim():
+                raise InputError(f"{where} = {d!r} is not a dim of the sample tensor of shape {tuple(t.shape)}")
+            dim = int(d) % t.dim()
+            if chosen.setdefault(id(t), dim) != dim:
+                raise InputError(f"{where}: one tensor of the sample is given two batch dims ({chosen[id(t)]}, {dim})")
+
+    if isinstance(batch_dims, numbers.Integral) and not isinstance(batch_dims, bool):
+        assign(sample, batch_dims, "batch_dims")
+    elif isinstance(batch_dims, Mapping) and batch_dims and not isinstance(sample, torch.Tensor):
+        for key, d in batch_dims.items():
+            assign(_lookup(sample, key, "batch_dims", "a plain int"), d, f"batch_dims[{key!r}]")
+    else:
+        raise InputError(f"batch_dims must be an int (every tensor's batch dim; the only form for a single-tensor "
+                         f"sample) or a non-empty dict {{key or position: dim}}, got {batch_dims!r}")
+    return tuple(chosen.get(id(t), 0) if isinstance(t, torch.Tensor) else 0 for t in tree_flatten(sample)[0])
+
+
+def _dims_by_id(sample: Any, dims: tuple[int, ...] | None) -> dict[int, int]:
+    leaves = tree_flatten(sample)[0]
+    return {id(t): d for t, d in zip(leaves, dims or (0,) * len(leaves)) if isinstance(t, torch.Tensor)}
 
 
 def _named_tensors(sample: Any, prefix: str = ""):
@@ -487,52 +536,6 @@ def _named_tensors(sample: Any, prefix: str = ""):
     elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
         for i, v in enumerate(sample):
             yield from _named_tensors(v, f"{prefix}[{i}]")
-
-
-def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
-    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note and the
-    notes of the first capture (host-measured kernels).
-
-    The captures are at ``hint``, ``hint + 1`` and ``4 * hint`` (far apart, so that memory
-    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2`` is
-    used instead and the formula holds up to it only.  Memory that is linear only up to
-    rounding (kernel workspaces rounded to pages) gets the line through the two ends, exact
-    at ``hint``; the note states its largest deviation from the captures.
-    """
-    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, hint + 1)]
-    _check_same_ops(near[0], near[1], hint, hint + 1, why)
-    far, valid_to = 4 * hint, None
-    raw = capture(model, sample, spec, far, symbolic=False)
-    if [op.name for op in raw.ops] != [op.name for op in near[0].ops]:
-        far, valid_to = hint + 2, hint + 2
-        raw = capture(model, sample, spec, far, symbolic=False)
-        _check_same_ops(near[0], raw, hint, far, why)
-    batches, raws = [hint, hint + 1, far], [*near, raw]
-    timelines = [account(r) for r in raws]
-    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {hint + 1}, {far}"
-    try:
-        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes
-    except NotPolynomial:
-        fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
-        deviation = max(
-            abs(op.total(b) - t.ops[i].total(b)) for b, t in zip(batches, timelines) for i, op in enumerate(fitted.ops)
-        )
-        note += (
-            f"; memory is linear in b only up to rounding (kernel buffers rounded to 4 KiB pages): the "
-            f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
-            "other captures, and elsewhere by up to a page per rounded buffer"
-        )
-        return fitted, raws[0].graph, valid_to, note, raws[0].notes
-
-
-def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:
-    names, expected = [op.name for op in raw.ops], [op.name for op in reference.ops]
-    if names != expected:
-        first = next((i for i, (x, y) in enumerate(zip(expected, names)) if x != y), min(len(names), len(expected)))
-        raise CaptureError(
-            f"symbolic capture failed ({why}) and the concrete fallback runs different ops at b={b0} and "
-            f"b={b} (first difference at op {first}): the memory of this model is not one formula in the batch size"
-        )
 
 
 def _candidates(timeline: Timeline) -> list[tuple[Poly, tuple[int, int]]]:

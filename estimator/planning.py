@@ -152,6 +152,8 @@ def compare(
     gpu: str | int | None = None,
     alloc_conf: str | None = None,
     dynamic: Mapping | None = None,
+    data_dependent: Any = "max",
+    batch_dims: int | Mapping | None = None,
 ) -> Comparison:
     """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
     ``b`` that fits), against the single-device baseline (the first row).
@@ -165,7 +167,7 @@ def compare(
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
     if strategies is None:
-        named, skipped = default_strategies(model, batch or _sample_batch(sample), devices)
+        named, skipped = default_strategies(model, batch or _sample_batch(sample, batch_dims), devices)
     elif isinstance(strategies, Mapping):
         named = dict(strategies)
     else:
@@ -177,7 +179,8 @@ def compare(
     if BASELINE not in named and Strategy() not in named.values():
         named = {BASELINE: Strategy(), **named}
     options = {"mode": mode, "optimizer": optimizer, "loss_fn": loss_fn, "device": device, "gpu": gpu,
-               "alloc_conf": alloc_conf, "amp": None, "grad_scaler": None, "dynamic": dynamic}
+               "alloc_conf": alloc_conf, "amp": None, "grad_scaler": None, "dynamic": dynamic,
+               "data_dependent": data_dependent, "batch_dims": batch_dims}
     reports = _reports(model, sample, batch, named, options)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]
@@ -218,7 +221,7 @@ def plan(
         raise InputError("plan needs a budget per device (bytes or e.g. '80GiB'); only device='cuda' has a "
                          "default (the GPU's memory)")
     if strategies is None:
-        named, _ = default_strategies(model, batch or _sample_batch(sample), devices)
+        named, _ = default_strategies(model, batch or _sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)
         extra = {}
         for label, s in named.items():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -228,6 +229,7 @@ def train_step(
     precision: Precision = FP32,
     scaler: torch.amp.GradScaler | None = None,
     strategy: Strategy = DEFAULT,
+    batch_dims: tuple[int, ...] | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """One training step; returns ``(out, loss)`` (of the last micro-step) so that both stay
     alive to the end.
@@ -235,11 +237,12 @@ def train_step(
     With ``scaler`` the loss is scaled before backward and ``scaler.step`` unscales the
     gradients (skipping ``optimizer.step()`` on inf/nan) and ``scaler.update()`` adjusts the
     scale; without an optimizer the scaled loss is back-propagated and nothing is stepped.
-    ``strategy``: gradient accumulation and activation checkpointing (module docstring)."""
+    ``strategy``: gradient accumulation and activation checkpointing (module docstring);
+    ``batch_dims``: the dim micro-batches split, per leaf of ``tree_flatten(sample)`` (default 0)."""
     k = strategy.accumulate
     device = device_type(model, sample)
     with checkpointing(model, strategy):
-        for micro in micro_batches(sample, k):
+        for micro in micro_batches(sample, k, batch_dims):
             on_phase(Phase.FORWARD)
             with autocast(precision, device):
                 out = call_model(model, micro)
@@ -257,17 +260,18 @@ def train_step(
     return out, loss
 
 
-def micro_batches(sample: Any, k: int) -> list[Any]:
-    """``sample`` split along dim 0 into ``k`` equal micro-batches (``narrow`` views, like
-    ``split(b // k)``; ``[sample]`` for k = 1)."""
+def micro_batches(sample: Any, k: int, batch_dims: tuple[int, ...] | None = None) -> list[Any]:
+    """``sample`` split along the batch dim (``batch_dims``: per leaf of ``tree_flatten``, default
+    0) into ``k`` equal micro-batches (``narrow`` views, like ``split(b // k)``; ``[sample]`` for
+    k = 1)."""
     if k == 1:
         return [sample]
     leaves, spec = tree_flatten(sample)
     parts = []
-    for t in leaves:
+    for t, d in zip(leaves, batch_dims or (0,) * len(leaves)):
         if isinstance(t, torch.Tensor):
-            size = t.shape[0] // k  # b = k * micro-batch (checked by report; a symbol's k*m // k is m)
-            parts.append([t.narrow(0, i * size, size) for i in range(k)])  # no guard on a symbolic size
+            size = t.shape[d] // k  # b = k * micro-batch (checked by report; a symbol's k*m // k is m)
+            parts.append([t.narrow(d, i * size, size) for i in range(k)])  # no guard on a symbolic size
         else:
             parts.append([t] * k)
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(k)]
@@ -358,10 +362,29 @@ def prepare(
     params = trainable(model)
     if not params:
         raise InputError("mode='train' but no parameter requires grad: nothing to train")
-    opt = optimizer(params)
+    try:
+        opt = optimizer(params)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's factory: say so, not "the model could not be run"
+        name = getattr(optimizer, "__qualname__", type(optimizer).__name__)
+        raise InputError(f"the optimizer factory {name} raised {type(exc).__name__}: {exc}".rstrip(": ")
+                         + _where(exc)) from exc
     if not isinstance(opt, (torch.optim.Optimizer, MasterWeights)):
         raise InputError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
     return Prepared(opt, scaler)
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame of ``exc`` outside torch and fxmem."""
+    import os
+    import traceback
+
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not frame.filename.startswith(internal):
+            return f" (at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line})"
+    return ""
 
 
 def run(
@@ -374,10 +397,12 @@ def run(
     precision: Precision = FP32,
     scaler: torch.amp.GradScaler | None = None,
     strategy: Strategy = DEFAULT,
+    batch_dims: tuple[int, ...] | None = None,
 ):
-    """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``)."""
+    """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``;
+    ``batch_dims`` where accumulation splits the sample, see ``train_step``)."""
     if mode is Mode.TRAIN:
-        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy)
+        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy, batch_dims)
     if strategy.accumulate > 1 or strategy.checkpoint is not None:
         raise InputError("gradient accumulation and activation checkpointing apply to mode='train' only")
     return inference_step(model, sample, on_phase, precision)
@@ -398,17 +423,12 @@ def state_tensors(
     """The tensors alive before a step starts, by category, each ``{name: tensor}`` (without
     gradients: the step ends with ``zero_grad(set_to_none=True)``).
 
-    Plain tensor attributes of modules (not registered as buffers) count as buffers; the
-    ``GradScaler``'s scale and growth tracker count as optimizer state.
+    The tensors the model holds outside its parameters and buffers (``held_tensors``) count as
+    buffers; the ``GradScaler``'s scale and growth tracker count as optimizer state.
     """
     params = {name: p for name, p in model.named_parameters()}
     buffers = {name: t for name, t in model.named_buffers()}
-    seen = {id(t) for t in [*params.values(), *buffers.values()]}
-    for prefix, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and id(value) not in seen:
-                seen.add(id(value))
-                buffers[f"{prefix}.{attr}" if prefix else attr] = value
+    buffers.update(held_tensors(model))
     states = {}
     if optimizer is not None:
         param_names = {id(p): name for name, p in model.named_parameters()}
@@ -424,3 +444,63 @@ def state_tensors(
         Category.OPTIMIZER_STATE: states,
         Category.INPUT: {f"input{i}": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)},
     }
+
+
+# Module attributes that are torch's bookkeeping (hook dicts, the parameter/buffer/submodule
+# dicts themselves), not state the model holds.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+              types.BuiltinMethodType, torch.dtype, torch.device)
+
+
+def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``model`` holds besides its parameters and registered buffers, by path: plain
+    tensor attributes of its modules, tensors in lists, tuples, dicts and sets, on helper objects
+    that are not modules, and the parameters and buffers of modules it keeps outside its module
+    tree (in a plain list).  Each tensor once (under its first path).
+
+    Real memory of every step, as buffers are (what fxmem counts them as).
+    """
+    modules = dict(model.named_modules())
+    seen = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    seen |= {id(m) for m in modules.values()}
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(value, path: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in seen:
+                seen.add(id(value))
+                found[path] = value
+            return
+        if depth > 8 or id(value) in seen or isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
+            return
+        if isinstance(value, _NOT_STATE):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for k, v in list(value.items()):
+                walk(v, f"{path}[{k!r}]", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, (set, frozenset)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}{{{i}}}", depth + 1)
+        elif isinstance(value, nn.Module):  # a module outside the model's tree: everything it holds
+            for name, t in [*value._parameters.items(), *value._buffers.items()]:
+                walk(t, f"{path}.{name}", depth + 1)
+            for name, sub in value._modules.items():
+                walk(sub, f"{path}.{name}", depth + 1)
+            attributes(value, path, depth + 1)
+        elif hasattr(value, "__dict__"):
+            attributes(value, path, depth + 1)
+
+    def attributes(obj, prefix: str, depth: int) -> None:
+        for attr, v in list(vars(obj).items()):
+            if isinstance(obj, nn.Module) and attr in _MODULE_INTERNALS:
+                continue
+            walk(v, f"{prefix}.{attr}" if prefix else attr, depth)
+
+    for prefix, module in modules.items():
+        attributes(module, prefix, 0)
+    return found

@@ -5,6 +5,8 @@ Inside fxmem everything is an integer number of bytes; units appear only here.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 
 from estimator.errors import InputError
@@ -16,7 +18,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "k": KiB, "m": MiB, "g": GiB, "t": TiB,
 }
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_BUDGET = re.compile(r"^\s*([+-]?\s*[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: float | str) -> int:
@@ -29,7 +31,7 @@ def parse_bytes(value: float | str) -> int:
     """
     if isinstance(value, bool):
         raise InputError(f"budget must be bytes or a string like '80GiB', got {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # int, float, numpy scalars
         number, factor = float(value), 1
     elif isinstance(value, str):
         match = _BUDGET.match(value)
@@ -39,12 +41,23 @@ def parse_bytes(value: float | str) -> int:
                 f"cannot parse the memory size {value!r}: write a number and a unit, "
                 "e.g. '80GiB', '40 GB', '512MiB' or a plain number of bytes"
             )
-        number, factor = float(match.group(1)), _UNITS[unit]
+        number, factor = float(match.group(1).replace(" ", "")), _UNITS[unit]
     else:
         raise InputError(f"budget must be bytes or a string like '80GiB', got {type(value).__name__}")
+    if not math.isfinite(number):
+        raise InputError(f"a memory size must be a finite number of bytes, got {value!r}")
     if number <= 0:
         raise InputError(f"a memory size must be positive, got {value!r}")
     return int(number * factor)
+
+
+def as_int(value, what: str, minimum: int = 1) -> int:
+    """``value`` as an ``int`` if it is an integer (``numbers.Integral``: ``int``, ``numpy.int64``…,
+    not ``bool``) of at least ``minimum``; else ``InputError`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise InputError(f"{what} must be {kind}, got {value!r}")
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

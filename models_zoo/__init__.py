@@ -13,11 +13,19 @@ Models (sizes; every model has a tiny "debug"):
     gpt               GPT-2, causal SDPA, tied lm_head                 (debug, gpt2-small)
     bert              BERT encoder, padding mask, manual softmax attn  (debug, base)
     rnn               LSTM x2 + GRU language model                     (debug, small)
+    lstm_lm           LSTM LM, the head on the non-contiguous LSTM output (debug, small)
     lora              transformer LM, frozen base + LoRA adapters      (debug, small)
     tied_autoencoder  decoder reuses encoder weights; a shared Linear  (debug, small)
     llama             Llama-2: RMSNorm, RoPE, GQA, SwiGLU              (debug, 7b)
     convnets          one small net per conv family, conv/BN pricing   (debug, depthwise, grouped,
                       dilated, conv1d, conv3d, transposed, patch, stem, small-channels, bn-eval)
+    custom_op         a torch.library.custom_op with a workspace, its  (debug, small)
+                      memory declared with estimator.register_op
+    moe               MoE LM: top-2 routing, a loop over the experts   (debug, small)
+                      (torch.where on the one-hot mask: data-dependent)
+    mixtral           transformers' Mixtral from a config (grouped_mm) (debug, 8x7b)
+    masked_lm         MLM whose head runs on hidden[labels != -100]    (debug, base)
+    spec_augment      speech encoder, random time masks x[mask] = e    (debug, base)
 
 Each model module exposes Config (a frozen dataclass), SIZES, its nn.Module
 and make(cfg) -> (model, make_sample, loss_fn), so custom configs work too:
@@ -28,9 +36,10 @@ import difflib
 
 import torch
 
-from models_zoo import bert, convnets, gpt, llama, lora, mlp, resnet, rnn, tied_autoencoder, unet, vit
+from models_zoo import (bert, convnets, custom_op, gpt, llama, lora, lstm_lm, masked_lm, 
+                        mixtral, mlp, moe, resnet, rnn, spec_augment, tied_autoencoder, unet, vit)
 
-__all__ = ["get", "names", "sizes"]
+__all__ = ["data_dependent", "get", "names", "sizes"]
 
 _REGISTRY = {
     "mlp": mlp,
@@ -40,10 +49,16 @@ _REGISTRY = {
     "gpt": gpt,
     "bert": bert,
     "rnn": rnn,
+    "lstm_lm": lstm_lm,
     "lora": lora,
     "tied_autoencoder": tied_autoencoder,
     "llama": llama,
     "convnets": convnets,
+    "custom_op": custom_op,
+    "moe": moe,
+    "mixtral": mixtral,
+    "masked_lm": masked_lm,
+    "spec_augment": spec_augment,
 }
 
 
@@ -63,6 +78,12 @@ def sizes(name: str) -> list[str]:
     if name not in _REGISTRY:
         raise _unknown(f"model {name!r}", names(), name)
     return list(_REGISTRY[name].SIZES)
+
+
+def data_dependent(name: str) -> str | None:
+    """How fxmem's validation prices the model's data-dependent sizes (None: it has none)."""
+    sizes(name)
+    return getattr(_REGISTRY[name], "DATA_DEPENDENT", None)
 
 
 def get(name: str, size: str = "debug", device=None, dtype: torch.dtype | None = None):

@@ -8,6 +8,7 @@ the allocation deltas during the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,7 @@ def measure_cpu(
     amp: str | None = None,
     grad_scaler: bool | None = None,
     strategy=None,
+    before: Callable[[torch.nn.Module, Any], None] | None = None,
 ) -> Measurement:
     """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
 
@@ -80,7 +82,8 @@ def measure_cpu(
     whose ``GradScaler`` found inf/nan gradients (and skipped ``optimizer.step()``) raises: the
     estimator predicts the step with finite gradients.  ``strategy``: an
     ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing, autocast,
-    fp32 master weights).
+    fp32 master weights).  ``before(model, mode)`` runs after the warm-up, just before the measured
+    step (``validators.zoo`` reads the data-dependent sizes of the measured step there).
     """
     strategy = strategy or step.DEFAULT
     if strategy.master_weights:
@@ -88,6 +91,8 @@ def measure_cpu(
     precision = step.Precision.of(amp or strategy.amp, strategy.grad_scaler if grad_scaler is None else grad_scaler,
                                   Mode(mode))
     mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision, strategy)
+    if before is not None:
+        before(model, mode)
     baseline = baseline_bytes(model, opt, sample, scaler)
     scale = None if scaler is None else scaler.get_scale()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

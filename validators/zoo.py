@@ -10,6 +10,9 @@ import torch
 
 import estimator
 import models_zoo
+from estimator import step
+from estimator.capture import datadep
+from estimator.categories import Mode
 from estimator.target import cpu
 from validators.cpu import measure_cpu
 
@@ -32,6 +35,7 @@ class Row:
     capture: str  # symbolic / concrete
     estimate_seconds: float
     dtype: str = "fp32"  # the model's parameters (samples stay fp32; the models cast them)
+    data_dependent: str = ""  # where the data-dependent sizes came from (none: "")
 
     @property
     def error(self) -> float:
@@ -40,14 +44,33 @@ class Row:
 
 
 def compare(name: str, size: str, mode: str, batch: int, dtype: str = "fp32") -> Row:
-    """One prediction and one measurement, each on its own fresh model instance."""
+    """One prediction and one measurement, each on its own fresh model instance.
+
+    A model with data-dependent sizes (``models_zoo.data_dependent(name)``: boolean masks, MoE
+    routing) is predicted with the sizes its measured step had -- read by ``datadep.probe`` on
+    the measured instance right before that step, the RNG restored -- given to the estimate as
+    ``data_dependent={site: n}``: the row checks the memory model, the sizes being the
+    measurement's own (the estimate's default, the upper bound, is a worst case)."""
+    model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
+    sizes: dict[str, int] = {}
+
+    def read_sizes(model, mode_):
+        def forward():
+            out = step.call_model(model, sample)
+            return (loss_fn or step.default_loss)(out, sample) if mode_ is Mode.TRAIN else out
+
+        sizes.update({site: n for site, (n, _) in datadep.probe(model, sample, forward).sizes.items()})
+
+    sample = make_sample(batch)
+    dd = models_zoo.data_dependent(name)
+    measured = measure_cpu(model, sample, mode, OPTIMIZER, loss_fn, before=read_sizes if dd else None)
     model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
     start = time.perf_counter()
-    rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer=OPTIMIZER, loss_fn=loss_fn)
+    rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer=OPTIMIZER, loss_fn=loss_fn,
+                           data_dependent=sizes or None)
     seconds = time.perf_counter() - start
-    model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
-    measured = measure_cpu(model, make_sample(batch), mode, OPTIMIZER, loss_fn)
-    return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds, dtype)
+    return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds, dtype,
+               "measured step's" if sizes else "")
 
 
 def cases(names=None, modes=MODES, batches=BATCHES):

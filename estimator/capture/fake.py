@@ -1,27 +1,48 @@
 """Fake copies of the user's model and sample: same shapes, dtypes and aliasing, no data.
 
-The model is deep-copied with every parameter, buffer and tensor attribute replaced by a fake
-CPU tensor (the user's model is not touched, and nothing of model size is allocated; models
-built on the ``meta`` device work the same way).  Every sample tensor's dim 0 becomes the one
-symbol of the batch size, or a concrete size for the fallback path.
+The model is deep-copied with every parameter, buffer and tensor it holds (plain attributes,
+lists and dicts of tensors, tensors on helper objects: ``step.held_tensors``) replaced by a
+fake CPU tensor (the user's model is not touched, and nothing of model size is allocated;
+models built on the ``meta`` device work the same way).  The batch dimension of every sample
+tensor (dim 0 unless ``batch_dims`` says otherwise) becomes the one symbol of the batch size,
+or a concrete size for the fallback path.
+
+Hooks the user registered on the model's modules run in the fake run (the tensors a hook keeps
+alive are memory of the step), but on the copy: each hook function is copied with the lists,
+dicts and sets it reaches through its closure or its module's globals, so nothing fake lands
+in the user's objects.
+
+Real tensors the step meets that are neither the model's nor the sample's (a module-level
+constant used in ``forward``, a target a ``loss_fn`` closes over) are turned into fake ones
+as they are met (``RealTensors``) and counted: in the model's forward as a buffer, elsewhere as
+an input -- one whose batch dimension has the sample's batch size follows ``b``.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
+import functools
+import os
+import sys
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import step
 from estimator.categories import Category
-from estimator.errors import CaptureError
+from estimator.errors import CaptureError, InputError
 
 CPU = torch.device("cpu")
+aten = torch.ops.aten
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode, symbolic_context=None) -> torch.Tensor:
@@ -38,29 +59,145 @@ def _fake(t: torch.Tensor, mode: FakeTensorMode, symbolic_context=None) -> torch
     return fake
 
 
+def _counter(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor that knows its value, for a one-element integer buffer (BatchNorm's
+    ``num_batches_tracked``): code may read it (``1.0 / float(self.num_batches_tracked)`` with
+    ``momentum=None``) and memory does not depend on it.  The value is a copy (the fake run's
+    ``add_(1)`` must not reach the user's buffer); 0 for a meta tensor."""
+    value = torch.zeros(t.shape, dtype=t.dtype) if t.device.type != "cpu" else t.detach().clone()
+    return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
+
+
+def _is_counter(t: torch.Tensor) -> bool:
+    if isinstance(t, nn.Parameter) or nn.parameter.is_lazy(t):
+        return False
+    return t.numel() == 1 and not (t.is_floating_point() or t.is_complex())
+
+
 def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
-    """A deep copy of ``model`` whose tensors are fake CPU tensors (shared tensors stay shared)."""
+    """A deep copy of ``model`` whose tensors are fake CPU tensors (shared tensors stay shared),
+    and whose hooks are the user's hooks, copied (``_isolate_hooks``)."""
     memo: dict[int, Any] = {}
     state = step.state_tensors(model, None, ())
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
-            fake = _fake(value.detach(), mode)
+            fake = _counter(value, mode) if _is_counter(value) else _fake(value.detach(), mode)
             if isinstance(value, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=value.requires_grad)
             memo[id(value)] = fake
     try:
-        return copy.deepcopy(model, memo)
+        copied = copy.deepcopy(model, memo)
     except Exception as exc:
         raise CaptureError(
             f"could not copy the model ({type(exc).__name__}: {exc}); fxmem deep-copies the module "
             "structure with fake tensors: objects that cannot be deep-copied must not be module attributes"
         ) from exc
+    _isolate_hooks(copied, memo)
+    return copied
 
 
+def held_note(model: nn.Module) -> tuple[str, ...]:
+    """The report's note on the tensors ``model`` holds besides parameters and buffers."""
+    held = step.held_tensors(model)
+    if not held:
+        return ()
+    listed = [f"{name} {_describe(t)}" for name, t in held.items()]
+    return (f"the model holds {len(held)} tensor(s) besides its parameters and buffers, counted as model state "
+            f"(buffers), {sum(_nbytes(t) for t in held.values()):,} B in all: {_first(listed)}",)
+
+
+# -- the user's hooks ----------------------------------------------------------------------
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _isolate_hooks(model: nn.Module, memo: dict[int, Any]) -> None:
+    """Replace each hook function of ``model`` (the copy) by a copy of it whose closure cells
+    and the globals it names that are containers (lists, dicts, sets, deques) are copies too:
+    objects of the copied model map to their copies (``memo``), the user's containers to new
+    ones holding the same items.  A hook that appends outputs to a user list appends to the
+    copy: the fake run keeps them alive as the real run would, and the user's list is left
+    alone."""
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                hooks[key] = _isolated(hook, memo)
+
+
+def _isolated(hook, memo: dict[int, Any]):
+    if isinstance(hook, functools.partial):
+        return functools.partial(_isolated(hook.func, memo), *_containers(hook.args, memo),
+                                 **_containers(hook.keywords, memo))
+    if isinstance(hook, types.MethodType):
+        return types.MethodType(_isolated(hook.__func__, memo), memo.get(id(hook.__self__), hook.__self__))
+    if not isinstance(hook, types.FunctionType):
+        return hook  # a callable object: deep-copied with the model already
+    if id(hook) in memo:
+        return memo[id(hook)]
+    closure = None
+    if hook.__closure__ is not None:
+        closure = tuple(_cell(c, memo) for c in hook.__closure__)
+    names = _global_names(hook.__code__)
+    env = dict(hook.__globals__)
+    for name in names & env.keys():
+        env[name] = _containers(env[name], memo)
+    copied = types.FunctionType(hook.__code__, env, hook.__name__, _containers(hook.__defaults__, memo), closure)
+    copied.__kwdefaults__ = _containers(hook.__kwdefaults__, memo)
+    copied.__dict__.update(hook.__dict__)
+    copied.__qualname__ = hook.__qualname__
+    memo[id(hook)] = copied
+    return copied
+
+
+def _cell(cell, memo):
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # an empty cell
+        return types.CellType()
+    return types.CellType(_containers(contents, memo))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _containers(value, memo: dict[int, Any]):
+    """``value`` with its containers copied (recursively) and the model's objects mapped to their
+    copies; other objects (tensors, numbers, functions) shared."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, list):
+        new = memo[id(value)] = []
+        new.extend(_containers(v, memo) for v in value)
+    elif isinstance(value, collections.deque):
+        new = memo[id(value)] = collections.deque(maxlen=value.maxlen)
+        new.extend(_containers(v, memo) for v in value)
+    elif isinstance(value, dict):
+        new = memo[id(value)] = copy.copy(value)  # keeps OrderedDict / defaultdict's factory
+        for k in list(new):
+            new[k] = _containers(new[k], memo)
+    elif isinstance(value, (set, frozenset)):
+        new = memo[id(value)] = type(value)(_containers(v, memo) for v in value)
+    elif isinstance(value, tuple) and type(value) is tuple:
+        new = tuple(_containers(v, memo) for v in value)
+    else:
+        return value
+    return new
+
+
+# -- the sample ----------------------------------------------------------------------------
 def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
-                seq_dims: dict[int, tuple[int, ...]] | None = None) -> Any:
-    """Fake copy of ``sample`` with dim 0 of every tensor set to ``batch``.
+                seq_dims: dict[int, tuple[int, ...]] | None = None,
+                batch_dims: tuple[int, ...] | None = None) -> Any:
+    """Fake copy of ``sample`` with the batch dim of every tensor set to ``batch``.
 
+    ``batch_dims``: the batch dim of each leaf of ``tree_flatten(sample)`` (default 0).
     ``symbolic=True`` makes that dim the one symbol of the batch size, with ``batch`` as its
     hint (duck sizing gives every tensor the same symbol).  ``seq_dims`` (``id(tensor) ->
     dims``) makes those dims of those tensors the one symbol of the sequence length, hinted
@@ -71,19 +208,224 @@ def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
     share a storage (one a view of another) become separate storages.
     """
     converted: dict[int, torch.Tensor] = {}
-
     seq_dims = seq_dims or {}
+    leaves, spec = tree_flatten(sample)
+    dims = batch_dims or (0,) * len(leaves)
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
+    def convert(t: torch.Tensor, d: int) -> torch.Tensor:
         if id(t) not in converted:
-            meta = torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device="meta")
+            shape = list(t.shape)
+            shape[d] = batch
+            meta = torch.empty(shape, dtype=t.dtype, device="meta")
             ctx = None
             if symbolic:
-                dynamic = [DimDynamic.DUCK] + [DimDynamic.STATIC] * (t.dim() - 1)
-                for d in seq_dims.get(id(t), ()):
-                    dynamic[d] = DimDynamic.DUCK
+                dynamic = [DimDynamic.STATIC] * t.dim()
+                dynamic[d] = DimDynamic.DUCK
+                for s in seq_dims.get(id(t), ()):
+                    dynamic[s] = DimDynamic.DUCK
                 ctx = StatelessSymbolicContext(dynamic_sizes=dynamic)
             converted[id(t)] = _fake(meta, mode, ctx)
         return converted[id(t)]
 
-    return tree_map_only(torch.Tensor, convert, sample)
+    return tree_unflatten([convert(t, d) if isinstance(t, torch.Tensor) else t for t, d in zip(leaves, dims)], spec)
+
+
+def sample_rows(sample: Any, batch_dims: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """The sample's batch size and the batch dim its tensors share (0 when they differ)."""
+    leaves = tree_flatten(sample)[0]
+    dims = batch_dims or (0,) * len(leaves)
+    found = [(t.shape[d], d) for t, d in zip(leaves, dims) if isinstance(t, torch.Tensor)]
+    shared = {d for _, d in found}
+    return found[0][0], shared.pop() if len(shared) == 1 else 0
+
+
+# -- real tensors met during the step --------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Met:
+    """A real tensor the step used that is neither the model's nor the sample's."""
+
+    name: str
+    description: str  # shape, dtype, bytes
+    where: str  # the user's line
+    category: Category  # BUFFER (met in the model's forward) or INPUT (elsewhere: the loss)
+    batch_dim: int | None  # the dim that follows b (an input with the sample's batch size)
+
+    def __str__(self) -> str:
+        if self.category is Category.BUFFER:
+            how = "in the model's forward: counted as a buffer"
+        elif self.batch_dim is None:
+            how = "outside the model: counted as an input"
+        else:
+            how = (f"outside the model: counted as an input whose dim {self.batch_dim} (the sample's batch size) "
+                   "follows b")
+        return f"{self.name} {self.description} at {self.where} ({how})"
+
+
+class RealTensors(TorchDispatchMode):
+    """Above the tracker: every real tensor an op receives becomes a fake one (the same fake each
+    time it is met), registered with the tracker as state alive before the step (``Met``).  Also
+    refuses what the real kernels refuse but the meta kernels do not check (``check_kernel``).
+
+    ``as_batch(t, dim)``: the fake input for a real tensor whose ``dim`` has the sample's batch
+    size ``rows`` (met outside the model: a loss target); ``module_names``: the fake model's
+    modules by id (a tensor met inside one of their calls is the model's).
+    """
+
+    def __init__(self, mode: FakeTensorMode, module_names: dict[int, str], rows: int, dim: int,
+                 as_batch: Callable[[torch.Tensor, int], torch.Tensor], cuda: bool = False):
+        super().__init__()
+        self.mode, self.module_names, self.rows, self.dim, self.as_batch = mode, module_names, rows, dim, as_batch
+        self.cuda = cuda
+        self.met: dict[int, tuple[torch.Tensor, torch.Tensor, Met]] = {}  # id(real) -> (real, fake, Met)
+        self.tracker = None
+
+    def track(self, tracker) -> RealTensors:
+        """Register the tensors met so far, and those met from now on, with ``tracker``."""
+        self.tracker = tracker
+        for _, fake, met in self.met.values():
+            self._register(fake, met)
+        return self
+
+    def notes(self) -> tuple[str, ...]:
+        if not self.met:
+            return ()
+        listed = [str(met) for _, _, met in self.met.values()]
+        return (f"the step used {len(listed)} real tensor(s) that are neither the model's nor the sample's (a "
+                f"module-level constant, a tensor a loss_fn closes over), counted as memory of the step: "
+                f"{_first(listed)}",)
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _LIFTS:
+            flat = tree_flatten((args, kwargs))[0]
+            if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in flat):
+                args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))
+            refused = check_kernel(func, args, kwargs, self.cuda)
+            if refused is not None:
+                module = self._module()
+                raise InputError(
+                    f"the step would fail for real: {refused} (in {'module ' + repr(module) if module else 'the step'}, "
+                    f"at {_line(_user_frame())}): the sample's dtype must match the model's (cast one of them, e.g. "
+                    "x.float() or model.double()), or use amp= for mixed precision")
+        return func(*args, **kwargs)
+
+    def _fake_of(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor):
+            return t
+        if id(t) in self.met:
+            return self.met[id(t)][1]
+        frame = _user_frame()
+        in_model = self._module() is not None
+        batch_dim = None
+        if not in_model and t.dim() > self.dim and t.shape[self.dim] == self.rows:
+            batch_dim = self.dim
+        with _disable_current_modes():
+            fake = self.as_batch(t.detach(), batch_dim) if batch_dim is not None else _fake(t.detach(), self.mode)
+        met = Met(_name_in(frame, t), _describe(t), _line(frame),
+                  Category.BUFFER if in_model else Category.INPUT, batch_dim)
+        self.met[id(t)] = (t, fake, met)
+        if self.tracker is not None:
+            self._register(fake, met)
+        return fake
+
+    def _register(self, fake: torch.Tensor, met: Met) -> None:
+        self.tracker.register({f"real.{met.name}": fake}, met.category)
+
+    def _module(self) -> str | None:
+        """The path of the innermost module of the model being called (None: outside the model)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
+                name = self.module_names.get(id(frame.f_locals.get("self")))
+                if name is not None:
+                    return name or "(the model)"
+            frame = frame.f_back
+        return None
+
+
+_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.lift.default}  # torch.tensor(...) in the code
+
+# Ops whose real kernels need one dtype for the tensors at these argument positions, which the
+# meta kernels (torch/_meta_registrations.py) do not check.  aten/src/ATen/native/LinearAlgebra.cpp:
+# ``mm``/``bmm`` "expected m1 and m2 to have the same dtype"; CPU ``addmm_impl_cpu_`` "self and
+# mat2 must have the same dtype" (checked on torch 2.13 CPU: float64 input into a float32
+# ``nn.Linear`` fails there, the fake run passed).
+_SAME_DTYPE = {
+    aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.mv.default: (0, 1), aten.dot.default: (0, 1),
+    aten.addmm.default: (1, 2), aten.baddbmm.default: (1, 2), aten.addbmm.default: (1, 2),
+    aten.addmv.default: (1, 2),
+}
+_SAME_DTYPE_CPU_SELF = {aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.addmv.default}
+# CPU norms: every tensor one dtype, or a bf16/fp16 input with fp32 parameters
+# (aten/src/ATen/native/mixed_data_type.h ``check_mixed_data_type``: "mixed dtype (CPU): all
+# inputs must share same datatype."; float64 input into a float32 LayerNorm fails on torch 2.13).
+_NORMS_CPU = {aten.native_layer_norm.default, aten.native_batch_norm.default,
+              aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+              aten._native_batch_norm_legit_no_training.default, aten.native_group_norm.default}
+
+
+def check_kernel(func, args, kwargs, cuda: bool) -> str | None:
+    """What the real kernel refuses about the arguments' dtypes (``_SAME_DTYPE``, ``_NORMS_CPU``)
+    where the meta kernel runs (None if nothing): a sample of another dtype than the model
+    fails for real, so it must not get a number."""
+    positions = _SAME_DTYPE.get(func)
+    if positions is not None:
+        picked = [args[i] for i in positions if i < len(args)]
+        if not cuda and func in _SAME_DTYPE_CPU_SELF and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            picked.append(args[0])
+        dtypes = {t.dtype for t in picked if isinstance(t, torch.Tensor)}
+    elif not cuda and func in _NORMS_CPU:
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        dtypes = {t.dtype for t in tensors}
+        if tensors and tensors[0].dtype in (torch.bfloat16, torch.float16) and \
+                {t.dtype for t in tensors[1:]} <= {torch.float32}:
+            return None  # a half input with fp32 parameters: allowed (mixed_data_type.h)
+    else:
+        return None
+    if len(dtypes) < 2:
+        return None
+    names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    return f"{func.__name__.split('.')[0]} needs one dtype but gets {names}"
+
+
+# -- the user's line and names ---------------------------------------------------------------
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _user_frame():
+    """The innermost frame outside torch and fxmem (the user's code), or None."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    return frame
+
+
+def _line(frame) -> str:
+    if frame is None:
+        return "(no user frame)"
+    import linecache
+
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+
+
+def _name_in(frame, t: torch.Tensor) -> str:
+    """The name ``frame`` knows ``t`` by (a local, a closure variable, a global), else "tensor"."""
+    if frame is not None:
+        for scope in (frame.f_locals, frame.f_globals):
+            for name, value in scope.items():
+                if value is t:
+                    return name
+    return "tensor"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() if t.device.type != "meta" else t.numel() * t.element_size()
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, {_nbytes(t):,} B"
+
+
+def _first(items: list[str], n: int = 8) -> str:
+    return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")

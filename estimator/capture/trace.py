@@ -8,9 +8,12 @@ runs it at several sizes and fits, see ``estimator.estimate``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +22,16 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from estimator import corrections, step
-from estimator.capture.fake import fake_model, fake_sample
-from estimator.capture.substitute import Substitutions
+from estimator import corrections, custom_ops, step
+from estimator.capture import datadep
+from estimator.capture.fake import RealTensors, fake_model, fake_sample, held_note, sample_rows
+from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
-from estimator.errors import CaptureError, FxmemError, SequenceNotSymbolic, SymbolicCaptureFailed
+from estimator.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
 from estimator.strategy import DEFAULT, Strategy
 from estimator.symbolic import B, NotPolynomial, Poly, S
 from estimator.target import cpu as cpu_target
@@ -46,6 +50,8 @@ class StepSpec:
     target: TargetSpec = field(default_factory=TargetSpec)
     precision: step.Precision = step.FP32
     strategy: Strategy = DEFAULT
+    data_dependent: datadep.Policy = field(default_factory=datadep.Policy)  # sizes fake tensors cannot know
+    batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
 
 
 @dataclass
@@ -64,10 +70,64 @@ class RawCapture:
     # micro-batches does not divide: their coefficients in the step's b were rounded up
     rounded: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
+    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
             seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """Capture one steady-state step (``_capture``); with ``data_dependent='sample'``, or where
+    the step needs a data-dependent value (``.item()``), the sizes and values observed on the
+    real sample first (``datadep.probe``).  Torch's log records and warnings are kept from the
+    user (``quiet``)."""
+    with quiet(), _global_hooks_suspended() as suspended:
+        raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+    if suspended:
+        raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
+                      "the like) were not run by the capture (they would have been handed fake tensors): memory "
+                      "they keep alive is not counted",)
+    return raw
+
+
+def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+                    seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    policy = spec.data_dependent
+    if policy.needs_probe:
+        spec = dataclasses.replace(spec, data_dependent=_probed(model, sample, spec))
+    try:
+        return _capture(model, sample, spec, batch, symbolic, seq_dims)
+    except datadep.NeedsProbe as exc:
+        if spec.data_dependent.observed or spec.data_dependent.values:
+            raise CaptureError(f"{exc}, but the probe on the sample did not reach it") from None
+        try:
+            probed = _probed(model, sample, spec)
+        except InputError:
+            raise CaptureError(f"{exc}; the model's weights are on the meta device, so fxmem cannot run it: "
+                               "build it with real (e.g. random) weights") from None
+        return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+
+
+def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
+    """``spec``'s policy with the sizes and values of one real forward and loss on ``sample``
+    (the model's train/eval state, buffers and the RNG restored)."""
+    training = model.training
+    model.train(spec.mode is Mode.TRAIN)
+
+    def forward():
+        with step.autocast(spec.precision, step.device_type(model, sample)):
+            out = step.call_model(model, sample)
+            if spec.mode is Mode.TRAIN:
+                spec.loss_fn(out, sample)
+
+    try:
+        with _errors_named(False):
+            found = datadep.probe(model, sample, forward)
+    finally:
+        model.train(training)
+    return dataclasses.replace(spec.data_dependent, observed=found.sizes, values=found.values)
+
+
+def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+             seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
     """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``).
 
     ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
@@ -93,8 +153,19 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     fmodel = fake_model(model, mode)
-    fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None), k)
-    batch_symbols = _batch_symbols(fsample)
+    dims = spec.batch_dims
+    fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None, dims), k, dims)
+    batch_symbols = _batch_symbols(fsample, dims)
+    rows, common_dim = sample_rows(sample, dims)
+    module_names = {id(m): name for name, m in fmodel.named_modules()}
+
+    def real_tensors(size: int, symbolic_: bool, repeat: int) -> RealTensors:  # batch-sized ones as the sample's
+        def as_batch(t: torch.Tensor, d: int) -> torch.Tensor:
+            return _full_batch(fake_sample(t, mode, size, symbolic_, None, (d,)), repeat, (d,))
+
+        return RealTensors(mode, module_names, rows, common_dim, as_batch, spec.target.is_cuda)
+
+    real = real_tensors(micro, symbolic, k)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
     substitutions = (
         Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) else contextlib.nullcontext()
@@ -106,34 +177,49 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
 
     rng_states = _fake_rng_state() if spec.strategy.checkpoint is not None and not spec.target.is_cuda \
         else contextlib.nullcontext()
-    with _errors_named(symbolic), mode, substitutions, amp_policy, rng_states:
+    dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
+    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
         corrections.apply_optimizer_rules(spec.target, optimizer)
-        _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, symbolic=False), spec, optimizer, scaler)
+        with real_tensors(batch, False, 1):  # a lazy model's first step: a static sample of `batch` rows
+            _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, False, None, dims), spec, optimizer, scaler)
         on_host = _host_state(spec, optimizer)
         for category, tensors in step.state_tensors(fmodel, optimizer, fsample, scaler).items():
             tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
         _name_owners(tracker, fmodel, optimizer)
-        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order:
+        before = _model_state(fmodel)
+        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker):
             result = step.run(
                 fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler,
-                spec.strategy,
+                spec.strategy, dims,
             )
         tracker.flush()
+        after = _model_state(fmodel)
         _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
         _drop_state_without_grad(tracker, optimizer)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
+    grown = _growth_note(fmodel, fsample, spec, optimizer, scaler, mode, real, before, after, micro)
 
+    unknown = set(spec.data_dependent.sites) - set(dd.sites)
+    if unknown:
+        raise InputError(f"data_dependent names no data-dependent call of this step: {', '.join(sorted(unknown))}; "
+                         f"its calls: {', '.join(dd.sites) or 'none'}")
+    if symbolic:  # a batch size the model's code fixed fails here, before any kernel is priced at other sizes
+        _symbol_range(shape_env, batch_symbols[0], "batch size", SymbolicCaptureFailed)
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
+    notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
+    notes += held_note(model) + real.notes() + grown
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
-        return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order), notes=notes)
-    raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k)
-    raw.grad_order, raw.notes = tuple(grad_order), notes
+        sites = tuple(dd.sites.values())
+        return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
+                          notes=notes + datadep.notes(sites), data_dependent=sites)
+    raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
+    raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent)
     return raw
 
 
@@ -184,19 +270,21 @@ def _fake_rng_state():
         torch.get_rng_state, torch.set_rng_state = get, set_
 
 
-def _full_batch(fsample, k: int):
-    """The fake sample of ``k`` micro-batches: dim 0 repeated ``k`` times (one tensor under two
-    names stays one)."""
+def _full_batch(fsample, k: int, batch_dims: tuple[int, ...] | None = None):
+    """The fake sample of ``k`` micro-batches: the batch dim (``batch_dims``: per leaf of
+    ``tree_flatten``, default 0) repeated ``k`` times (one tensor under two names stays one)."""
     if k == 1:
         return fsample
     done: dict[int, torch.Tensor] = {}
+    leaves, tree = tree_flatten(fsample)
 
-    def repeat(t: torch.Tensor) -> torch.Tensor:
+    def repeat(t: torch.Tensor, d: int) -> torch.Tensor:
         if id(t) not in done:
-            done[id(t)] = t.repeat(k, *[1] * (t.dim() - 1))
+            done[id(t)] = t.repeat(*[k if i == d else 1 for i in range(t.dim())])
         return done[id(t)]
 
-    return tree_map_only(torch.Tensor, repeat, fsample)
+    dims = batch_dims or (0,) * len(leaves)
+    return tree_unflatten([repeat(t, d) if isinstance(t, torch.Tensor) else t for t, d in zip(leaves, dims)], tree)
 
 
 def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer, scaler) -> None:
@@ -239,17 +327,20 @@ def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
     return Storage(nbytes, storage.category, storage.op, owner=storage.owner)  # extra folded into nbytes
 
 
-def _batch_symbols(fsample) -> tuple[set[sympy.Symbol], set[sympy.Symbol]]:
+def _batch_symbols(fsample, batch_dims: tuple[int, ...] | None = None) -> tuple[set[sympy.Symbol], set[sympy.Symbol]]:
     """The symbols of the batch size and of the sequence length, read before the step runs
-    (the model's code may specialize them to a constant, which must then be detected).  Dim 0
-    is the batch; any other symbolic dim is the sequence length.  A fake input's storage size
-    can carry a symbol of its own besides its shape's: it belongs to the batch."""
+    (the model's code may specialize them to a constant, which must then be detected).  The
+    batch dim (``batch_dims`` per leaf, default 0) is the batch; any other symbolic dim is the
+    sequence length.  A fake input's storage size can carry a symbol of its own besides its
+    shape's: it belongs to the batch."""
     batch, seq = set(), set()
-    for t in tree_flatten(fsample)[0]:
+    leaves = tree_flatten(fsample)[0]
+    for t, d in zip(leaves, batch_dims or (0,) * len(leaves)):
         if isinstance(t, torch.Tensor):
-            batch |= _free(t.shape[0])
-            for size in t.shape[1:]:
-                seq |= _free(size)
+            batch |= _free(t.shape[d])
+            for i, size in enumerate(t.shape):
+                if i != d:
+                    seq |= _free(size)
     for t in tree_flatten(fsample)[0]:
         if isinstance(t, torch.Tensor):
             batch |= _free(t.untyped_storage().nbytes()) - seq
@@ -314,7 +405,8 @@ def _ceil_coefficients(expr: sympy.Expr) -> sympy.Expr:
     return sum((sympy.ceiling(c) * B**i * S**j for (i, j), c in poly.terms()), sympy.Integer(0))
 
 
-def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: int = 1) -> RawCapture:
+def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: int = 1,
+                     sites: tuple[datadep.Site, ...] = ()) -> RawCapture:
     """Map the batch symbols to ``b`` (and the sequence symbols to ``s``) and read the valid
     ranges from the guards.  With ``k`` micro-batches the batch symbol is the micro-batch
     ``m = b / k``."""
@@ -357,8 +449,12 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
         op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
     for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
         node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
+    def in_b(expr):
+        return sympy.expand(shape_env.replace(sympy.sympify(expr)).xreplace(to_b))
+
+    sites = tuple(dataclasses.replace(site, upper=in_b(site.upper), used=in_b(site.used)) for site in sites)
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None,
-                      rounded=tuple(dict.fromkeys(rounded)))
+                      rounded=tuple(dict.fromkeys(rounded)), data_dependent=sites)
 
 
 def _integer_in_micro(expr, k: int) -> bool:
@@ -471,6 +567,102 @@ def _module_hooks(tracker: Tracker):
         post.remove()
 
 
+def _model_state(model: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter and buffer (held tensors included) of the fake model, at the
+    symbols' hints."""
+    state = step.state_tensors(model, None, ())
+    return {name: _hint(t.untyped_storage().nbytes())
+            for category in (Category.PARAMETER, Category.BUFFER) for name, t in state[category].items()}
+
+
+def _hint(value) -> int:
+    if isinstance(value, torch.SymInt):  # the hint: int() would add a guard
+        return int(value.node.hint or 0)
+    return int(value)
+
+
+def _growth_note(model: nn.Module, sample, spec: StepSpec, optimizer, scaler, mode: FakeTensorMode,
+                 real: RealTensors, before: dict[str, int], after: dict[str, int], batch: int) -> tuple[str, ...]:
+    """A note when the model holds more after each step than before it (a buffer or a list of
+    tensors appended to in ``forward``): no steady state.  The measured step was the fake
+    model's first, so state it created once (a cache) also looks like growth: only then is one
+    more step run (not recorded) to see whether it grows again."""
+    if sum(after.values()) <= sum(before.values()):
+        return ()
+    real.tracker = None  # the capture is over: tensors met now are not memory of the step
+    try:
+        with mode, real:
+            result = step.run(model, sample, spec.mode, optimizer, spec.loss_fn, precision=spec.precision,
+                              scaler=scaler, strategy=spec.strategy, batch_dims=spec.batch_dims)
+            del result
+    except Exception:  # the step cannot be repeated without the capture's modes: cannot tell
+        return ()
+    again = _model_state(model)
+    grown = sum(again.values()) - sum(after.values())
+    if grown <= 0:
+        return ()
+    names = [name for name, n in again.items() if n > after.get(name, 0)]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return (f"the model's memory grows with every step: it holds {grown:,} B more after each step at b = {batch} "
+            f"({shown}: a buffer or a list of tensors added to in forward). There is no steady state: this "
+            "estimate is for the next step from the model as given, and every later step holds more",)
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs")
+
+
+@contextlib.contextmanager
+def _global_hooks_suspended():
+    """Take the process's global module hooks (``register_module_forward_hook`` and the like)
+    out while fxmem runs the step: they would be handed fake tensors.  Yields how many there
+    were; they are back in place, in order, on exit."""
+    module = nn.modules.module
+    saved = {name: dict(getattr(module, name)) for name in _GLOBAL_HOOKS if hasattr(module, name)}
+    for name in saved:
+        getattr(module, name).clear()
+    hooks = sum(len(saved.get(name, {})) for name in _GLOBAL_HOOKS[:4])
+    try:
+        yield hooks
+    finally:
+        for name, entries in saved.items():
+            table = getattr(module, name)
+            added = dict(table)  # registered meanwhile and not removed (not fxmem's: it removes its own)
+            table.clear()
+            table.update(entries)
+            table.update(added)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Torch's log records and warnings are not the user's business while fxmem runs the step
+    on fake tensors (a shape error logs a traceback at ERROR before fxmem's one-line error):
+    torch's loggers are disabled and warnings recorded for the block, both restored on exit.
+    Warnings raised from the user's own files are issued again afterwards, once each; what
+    matters of the others is in fxmem's errors and notes."""
+    loggers = [logging.getLogger("torch")] + [
+        logger for name, logger in list(logging.root.manager.loggerDict.items())
+        if name.startswith("torch.") and isinstance(logger, logging.Logger)
+    ]
+    disabled = [(logger, logger.disabled) for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for logger, was in disabled:
+            logger.disabled = was
+    seen = set()
+    for w in caught:
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if not w.filename.startswith(_INTERNAL) and key not in seen:
+            seen.add(key)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -483,6 +675,9 @@ def _errors_named(symbolic: bool):
         raise
     except Exception as exc:  # re-raised with a clear message
         where = _user_frame(exc)
+        undeclared = custom_ops.undeclared_op(exc, where)  # an op without a fake kernel: how to declare it
+        if undeclared is not None:
+            raise undeclared from exc
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if where:
             message += f" (at {where})"

@@ -2,12 +2,15 @@
 op family: ``cpu/`` (measured on the host: convolution, batch norm, flash attention,
 low-precision matmuls and reductions; oneDNN RNN, losses), ``cuda/`` (attention backends,
 fused kernels, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py`` (fake kernels that
-would fix a symbolic size, for every target).
+would fix a symbolic size, for every target), ``composite.py`` (C++ composites whose branch for
+tensor subclasses, fake tensors included, differs in memory from the real tensors' one, for
+every target).
 
 Importing this package registers every entry.
 """
 
-from estimator.corrections import shapes  # noqa: F401  (registers the entries)
+from estimator.corrections import composite, shapes  # noqa: F401  (registers the entries)
+from estimator.corrections import grouped_mm, masks  # noqa: F401
 from estimator.corrections.cpu import attention as cpu_attention  # noqa: F401
 from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, rnn  # noqa: F401
 from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401

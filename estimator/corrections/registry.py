@@ -13,12 +13,17 @@ differently lives here, in one registry, with three kinds of entries:
   ``step`` counters of non-capturable, non-fused optimizers), not counted on the device;
 - ``@fake_kernel(op, targets=...)``: run instead of an op's fake kernel where that kernel
   specializes a symbolic size that the real kernel does not depend on (same outputs, same
-  allocations; the tracker records the op as one).
+  allocations; the tracker records the op as one);
+- ``fast_path(fn, targets=...)``: Python functions of torch (the ``nn.MultiheadAttention`` /
+  ``nn.TransformerEncoder(Layer)`` forwards) whose fast-path check
+  ``torch.overrides.has_torch_function(tensor_args)`` must answer for the capture's fake tensors
+  what it answers for the real ones (``fast_path_checks``, below).
 
-A second registration of the same (target, op) raises.  Each entry cites where its number
-comes from (a PyTorch source file and/or a measurement command).  A correction function
-receives the op's arguments and outputs (fake tensors, shapes possibly symbolic) and returns
-a ``Fix``:
+A second registration of the same (target, op) raises (``withdraw`` removes one: only for a
+user's own declarations, ``estimator.register_op``, which are entries of this registry too).
+Each entry cites where its number comes from (a PyTorch source file and/or a measurement
+command).  A correction function receives the op's arguments and outputs (fake tensors, shapes
+possibly symbolic) and returns a ``Fix``:
 
 - ``output_bytes[i]``: bytes the real kernel's i-th tensor output holds beyond what the meta
   kernel reports (it lives and dies with that output's storage);
@@ -45,6 +50,7 @@ comparison would add a shape guard).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +181,76 @@ def fake_kernel(*ops, targets: Iterable[Target]) -> Callable:
         return kernel
 
     return register
+
+
+_FAST_PATHS: dict[Target, set] = {}  # target -> code objects of the registered functions
+_REFUSALS: dict[Target, list[Callable[[], bool]]] = {}  # target -> "the real run refuses" predicates
+_CHECKS: list[Target] = []  # the targets of the capture modes entered (innermost last)
+_HAS_TORCH_FUNCTION = torch.overrides.has_torch_function
+_DISABLED = torch._C._disabled_torch_function_impl
+
+
+def fast_path(*functions, targets: Iterable[Target], refuse: Callable[[], bool] | None = None) -> None:
+    """Register Python functions whose fast-path check ``torch.overrides.has_torch_function(
+    tensor_args)`` must answer, while capturing for ``targets``, what it answers for the real
+    tensors the fake ones stand for.
+
+    The capture runs inside the substitution ``TorchFunctionMode`` (``corrections/mode.py``),
+    and ``has_torch_function`` is true for every argument while any such mode is active: the
+    forwards of ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)``
+    (torch/nn/modules/activation.py, transformer.py) then refuse their native fast paths, which a
+    real run takes.  FakeTensors themselves disable ``__torch_function__``, so for them the
+    answer is the one of the real tensors: true only for an argument whose type overrides
+    ``__torch_function__`` (``_overrides``; a type marked ``_fxmem_plain_tensor`` stands for a plain
+    tensor, such as the capture's nested-tensor stand-in).  Every other condition of those checks
+    is evaluated by torch's own code on the fake tensors, as on real ones.  ``refuse()``, where
+    given, answers true when the target's real run refuses the fast path for a reason the
+    capture cannot show those checks (CUDA autocast, which the capture emulates on the CPU's
+    autocast state); the check then answers true, which refuses it the same way."""
+    for target in _targets(targets):
+        _FAST_PATHS.setdefault(target, set()).update(fn.__code__ for fn in functions)
+        if refuse is not None:
+            _REFUSALS.setdefault(target, []).append(refuse)
+
+
+def _overrides(arg) -> bool:
+    """``check_has_torch_function`` for one argument, without the torch-function modes."""
+    cls = type(arg)
+    if cls is torch.Tensor or getattr(cls, "_fxmem_plain_tensor", False):
+        return False
+    return getattr(cls, "__torch_function__", _DISABLED) is not _DISABLED
+
+
+def _has_torch_function(args) -> bool:
+    """``torch.overrides.has_torch_function`` while a capture's mode is entered: the real run's
+    answer inside the registered functions, torch's own everywhere else."""
+    if _CHECKS and sys._getframe(1).f_code in _FAST_PATHS.get(_CHECKS[-1], ()):
+        return any(_overrides(a) for a in args) or any(refuse() for refuse in _REFUSALS.get(_CHECKS[-1], ()))
+    return _HAS_TORCH_FUNCTION(args)
+
+
+def fast_path_checks_enter(target: Target) -> None:
+    """Called by the capture's substitution mode when it is entered (``mode.Substitutions``):
+    from the first entry to the matching exit, ``torch.overrides.has_torch_function`` is
+    ``_has_torch_function``.  Outside a capture it stays torch's own function."""
+    if not _CHECKS:
+        torch.overrides.has_torch_function = _has_torch_function
+    _CHECKS.append(Target(target))
+
+
+def fast_path_checks_exit() -> None:
+    if _CHECKS:
+        _CHECKS.pop()
+    if not _CHECKS:
+        torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
+
+
+def withdraw(op, targets: Iterable[Target]) -> None:
+    """Drop the correction and the fake kernel of ``op`` (one overload) on ``targets``: a user's
+    declaration (``estimator.register_op``) replaces its own previous one this way."""
+    for target in _targets(targets):
+        _REGISTRY.pop((target, op), None)
+        _FAKE_KERNELS.pop((target, op), None)
 
 
 def fake_kernel_for(target: Target, func) -> Callable[..., Any] | None:

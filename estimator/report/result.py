@@ -17,7 +17,7 @@ from estimator.strategy import DEFAULT, Strategy
 from estimator.symbolic import Poly, max_fitting
 from estimator.target.cuda import CudaMemory, Overhead
 from estimator.target.spec import TargetSpec
-from estimator.units import parse_bytes
+from estimator.units import as_int, parse_bytes
 
 
 class CapturePath(str, enum.Enum):
@@ -124,9 +124,9 @@ class Report:
         exprs = [p.expr for p in self.pieces]
         return exprs[0] if len(exprs) == 1 else sympy.Max(*exprs)
 
-    def _check_range(self, b: int, s: int | None = None) -> None:
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-            raise InputError(f"batch size must be a positive int, got {b!r}")
+    def _check_range(self, b: int, s: int | None = None) -> tuple[int, int | None]:
+        """``b`` and ``s`` as ints (``numpy`` integers too), checked against the formula's range."""
+        b = as_int(b, "batch size")
         if b % self.multiple:
             raise InputError(f"this step splits b into micro-batches ({self.strategy.describe()}): b must be a "
                              f"multiple of {self.multiple}, got b={b}")
@@ -138,16 +138,16 @@ class Report:
                 f"call estimator.report(..., batch={b}) for b={b}"
             )
         if s is None or s == self.seq:
-            return
+            return b, s if s is None else int(s)
         if self.seq is None:
             raise InputError("this report's formula is not in s: pass dynamic= to estimator.report to make the "
                              "sequence length a symbol")
-        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
-            raise InputError(f"sequence length must be a positive int, got {s!r}")
+        s = as_int(s, "sequence length")
         lo, hi = self.seq_range
         if s < lo or (hi is not None and s > hi):
             raise InputError(f"the formula holds for {lo} <= s <= {'∞' if hi is None else hi} "
                              f"({'; '.join(self.guards) or 'lengths 0 and 1 specialize shapes'})")
+        return b, s
 
     def _pieces_at(self, s: int | None) -> list[Poly]:
         """The peak's pieces as polynomials in ``b`` at sequence length ``s`` (default ``seq``)."""
@@ -157,7 +157,7 @@ class Report:
     def at(self, b: int, s: int | None = None) -> int:
         """Predicted peak bytes at batch size ``b`` (and sequence length ``s``, default the
         sample's); CUDA: ``max_memory_allocated``."""
-        self._check_range(b, s)
+        b, s = self._check_range(b, s)
         if self.cuda is not None:
             return self.on_device(b, s).allocated
         return max(p(b) for p in self._pieces_at(s))
@@ -176,8 +176,7 @@ class Report:
             raise InputError("on_device() is for device='cuda' reports")
         if (b is None or b == self.batch) and (s is None or s == self.seq):
             return self.cuda
-        b = self.batch if b is None else b
-        self._check_range(b, s)
+        b, s = self._check_range(self.batch if b is None else b, s)
         if self.ranks:  # the rank whose device holds the most
             return max((r.report.on_device(b, s) for r in self.ranks), key=lambda m: m.device)
         from estimator.target.cuda import predict
@@ -202,7 +201,7 @@ class Report:
         bounds the answer from above and the allocator replay finds the largest ``b`` whose
         ``device_bytes`` fit (bisection: reserved memory grows with ``b``).
         """
-        self._check_range(self.batch, s)
+        _, s = self._check_range(self.batch, s)
         limit = self._budget(budget)
         tensor_limit = limit if self.cuda is None else limit - self.cuda.context
         try:
@@ -223,8 +222,7 @@ class Report:
         (default ``batch``); 0 if none.  Needs a report with ``s`` symbolic (``dynamic=``)."""
         if self.seq is None:
             raise InputError("max_seq needs a formula in s: pass dynamic= to estimator.report")
-        b = self.batch if b is None else b
-        self._check_range(b)
+        b, _ = self._check_range(self.batch if b is None else b)
         limit = self._budget(budget)
         tensor_limit = limit if self.cuda is None else limit - self.cuda.context
         lo, hi = self.seq_range

@@ -33,7 +33,7 @@ from torch import nn
 
 from estimator.categories import Category, Phase
 from estimator.errors import InputError
-from estimator.strategy.ranks import Op, Rank, RankStep
+from estimator.strategy.rankstep import Op, Rank, RankStep
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

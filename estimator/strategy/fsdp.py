@@ -76,7 +76,7 @@ from torch import nn
 
 from estimator.categories import Category, Phase
 from estimator.errors import InputError
-from estimator.strategy.ranks import Block, Op, Rank, RankStep
+from estimator.strategy.rankstep import Block, Op, Rank, RankStep
 from estimator.strategy.spec import Sharding, blocks, select
 from estimator.symbolic import Poly
 

@@ -74,7 +74,7 @@ from torch import nn
 
 from estimator.categories import Category, Phase
 from estimator.errors import InputError
-from estimator.strategy.ranks import Block, Op, Rank, RankStep
+from estimator.strategy.rankstep import Block, Op, Rank, RankStep
 from estimator.strategy.spec import Schedule, blocks
 from estimator.symbolic import ZERO, Poly
 

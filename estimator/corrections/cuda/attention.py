@@ -49,21 +49,14 @@ transformer.py, torch/nn/functional.py ``multi_head_attention_forward`` of torch
   substitute below handles -- but only because ``multi_head_attention_forward`` gets an entry of
   its own: it re-dispatches itself through ``__torch_function__`` and would otherwise run with the
   substitution mode popped (the CPU attention and CPU dropout were recorded for CUDA before).
-- Eval takes the C++ fast paths (``torch._native_multi_head_attention``,
-  ``torch._transformer_encoder_layer_fwd``) only when ``has_torch_function`` is false for all its
-  tensors (activation.py, ``why_not_fast_path = "some Tensor argument has_torch_function"``).
-  While capturing for CUDA the substitution ``TorchFunctionMode`` is active, which makes
-  ``has_torch_function`` true, so the capture records the Python path.  On a real GPU,
-  ``native_multi_head_attention_cuda`` (attention.cu; the stored revisions of it are vendor copies,
-  IPEX/MLU, with the same structure) takes a fused branch only for self-attention without a mask,
-  ``need_weights=False``, ``dim_per_head % 8 == 0`` and a flash/efficient choice: ``linear`` ->
-  ``chunk`` -> ``at::scaled_dot_product_attention`` -> ``linear``, the computation the Python path
-  records through the substitute below (``TransformerEncoderLayer`` without a padding mask: same
-  attention memory, C++ temporaries die a little earlier).  Otherwise (``need_weights=True``, the
-  ``MultiheadAttention`` default, or any mask) it runs the bmm path: packed ``[3, B, H, T, dh]``
-  q/k/v (``_transform_bias_rescale_qkv``) and a ``[B, H, T, T]`` score matrix, which the Python
-  path approximates with its own ``bmm``/``softmax`` (with a mask, the Python path calls sdpa and
-  may pick a fused kernel): listed in ``NOT_MODELLED``.
+- Eval (without grad) takes the C++ fast paths (``torch._native_multi_head_attention``,
+  ``torch._transformer_encoder_layer_fwd``, nested tensors in ``nn.TransformerEncoder``) where a
+  real GPU takes them, except under autocast ("autocast is enabled"): ``corrections/fastpath.py``
+  makes the checks answer as for real tensors and prices ``native_multi_head_attention_cuda``
+  (attention.cu): its fused branch (self-attention without a mask, ``need_weights=False``,
+  ``dim_per_head % 8 == 0``, flash or mem-efficient chosen: ``linear`` -> ``chunk`` ->
+  ``at::scaled_dot_product_attention``, through the substitute below -> ``linear``) or the bmm
+  path (packed ``[3, B, H, T, dh]`` q/k/v, ``[B, H, T, T]`` scores, ``_masked_softmax``).
 """
 
 from __future__ import annotations
@@ -80,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.categories import Target
+from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import Fix, bind, correction, substitute
 from estimator.errors import SymbolicCaptureFailed
 from estimator.symbolic import as_expr
@@ -96,7 +90,6 @@ NOT_MODELLED = [
     "nested-tensor inputs (the CPU path runs)",
     "CUDA-graph capture (seed/offset on device for mem-efficient)",
     "return_debug_mask=True (testing only)",
-    "eval fast paths of nn.MultiheadAttention/nn.TransformerEncoderLayer (the Python path is captured)",
     "TORCH_CUDNN_SDPA_AVOID_RECOMPILE ragged offsets (small int tensors)",
     "flash split-KV / deterministic dq_accum splits on GPUs missing from SM_COUNTS (one split assumed)",
 ]
@@ -688,28 +681,14 @@ def scaled_dot_product_attention(spec, func, args, kwargs):
     return _math(q, k, v, mask, dropout_p, is_causal, scale, gqa)
 
 
-def _no_torch_function(*_args) -> bool:
-    return False
-
-
 @substitute(F.multi_head_attention_forward, targets=Target.CUDA)
 def multi_head_attention_forward(spec, func, args, kwargs):
     """``F.multi_head_attention_forward`` (what ``nn.MultiheadAttention`` and
-    ``nn.TransformerEncoderLayer`` run while capturing) starts with ``if has_torch_function(tens_ops):
-    return handle_torch_function(...)``, so under the substitution mode it is dispatched to the
-    mode, which calls it with the mode popped: its ``F.scaled_dot_product_attention`` (and
-    ``F.dropout``) would then take the CPU paths.  Run its body with a substitution mode active
-    and its own re-dispatch check off (``torch.nn.functional.has_torch_function`` is only used
-    there on this path), so that the nested calls get the CUDA substitutes."""
-    from estimator.capture.substitute import Substitutions  # imports the registry: not at module level
-
-    original = F.has_torch_function
-    F.has_torch_function = _no_torch_function
-    try:
-        with Substitutions(spec):
-            return func(*args, **kwargs)
-    finally:
-        F.has_torch_function = original
+    ``nn.TransformerEncoderLayer`` run while capturing) re-dispatches to the substitution mode,
+    which runs it with the mode popped: its ``F.scaled_dot_product_attention`` (and
+    ``F.dropout``) would then take the CPU paths.  ``run_inside`` runs its body with the mode
+    active, so that the nested calls get the CUDA substitutes."""
+    return run_inside(spec, func, args, kwargs)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -1,8 +1,12 @@
-"""Run a target's torch-function substitutes while capturing (``estimator.corrections``).
+"""The torch-function mode that runs a target's substitutes while capturing (``@substitute``
+entries of ``registry.py``).
 
 Where the target runs other aten ops than the CPU would (CUDA attention backends, the fused
 dropout kernel), the registry holds a substitute that calls the target's ops on the fake CPU
 tensors; this mode routes the calls to it.  Not installed for targets without substitutes.
+It lives with the registry (not in ``estimator.capture``) because substitutes use it too: one
+that must see the torch functions called inside the function it replaces runs that function
+with the mode pushed again (``run_inside``).
 
 Backward stays inside the mode: ``handle_torch_function`` pops a mode while its handler runs,
 so ``loss.backward()`` passed through as it is would run the whole backward without it -- and
@@ -17,11 +21,12 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-from estimator import corrections
+from estimator.corrections.registry import fast_path_checks_enter, fast_path_checks_exit, substitution
 
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
 
@@ -31,11 +36,26 @@ class Substitutions(TorchFunctionMode):
         super().__init__()
         self.spec = spec
 
+    def __enter__(self):
+        # The native fast-path checks see the fake tensors as the real ones (registry.fast_path).
+        fast_path_checks_enter(self.spec.device)
+        try:
+            return super().__enter__()
+        except BaseException:
+            fast_path_checks_exit()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            fast_path_checks_exit()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _BACKWARD:
             return self._backward(func, args, kwargs)
-        sub = corrections.substitution(self.spec.device, func)
+        sub = substitution(self.spec.device, func)
         if sub is not None:
             result = sub(self.spec, func, args, kwargs)
             if result is not NotImplemented:
@@ -56,3 +76,25 @@ class Substitutions(TorchFunctionMode):
         with self:
             grads_ = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False)
             _engine_run_backward(tensors, grads_, retain, create, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def _no_torch_function(*_args) -> bool:
+    return False
+
+
+def run_inside(spec, func, args, kwargs):
+    """Run the ``torch.nn.functional`` function ``func`` with the substitution mode of ``spec``
+    active, so that the torch functions it calls get their substitutes.
+
+    A Python function of ``torch.nn.functional`` that starts with ``if
+    has_torch_function(...): return handle_torch_function(...)`` (``multi_head_attention_forward``)
+    is dispatched to the mode, which calls it with the mode popped: the functions it calls would
+    then run unsubstituted.  Here its body runs with a mode pushed again and its own re-dispatch
+    check off (``F.has_torch_function``, the name such functions look up in their module)."""
+    original = F.has_torch_function
+    F.has_torch_function = _no_torch_function
+    try:
+        with Substitutions(spec):
+            return func(*args, **kwargs)
+    finally:
+        F.has_torch_function = original

@@ -1,0 +1,542 @@
+"""Data-dependent sizes and values: what a fake tensor cannot know, decided by a policy.
+
+``torch.nonzero``, boolean-mask indexing (``h[score > 0]``, ``x[mask] = v``),
+``masked_select`` and ``unique`` return tensors whose size depends on the data; ``.item()`` /
+``bool(t)`` return a value that does.  Fake tensors have no data, so torch refuses them
+(``DynamicOutputShapeException``).  While capturing, the ``DataDependent`` dispatch mode answers
+each such call instead:
+
+- a **size** ``n`` has a known range, ``0 ≤ n ≤ upper`` (``upper``: the elements the mask or
+  input has, a formula in the batch size).  Which ``n`` the capture uses is the user's
+  ``data_dependent=`` policy (``Policy``): ``"max"`` (default) the upper bound, the safe worst
+  case for "will it fit"; ``"sample"`` the value observed on the user's own sample, by a real
+  forward of the model (``probe``: real weights only), scaled to other batch sizes per row; a
+  fraction of the upper bound; or, per call site, a number.  Where a constraint fixes a total
+  the bound respects it: the rows of ``F.one_hot`` have one 1 each, so the ``nonzero`` calls over
+  (parts of) one one-hot tensor share its ``numel(indices)`` ones — an MoE's tokens routed to
+  its experts sum to tokens × top-k, and its saved activations are exact under ``"max"`` too
+  (the first expert that asks takes the whole budget: the worst case for a transient);
+- a **value** (``.item()``, ``bool(tensor)``) cannot be bounded: the probe's observation is
+  used where the weights are real; otherwise the capture stops with an error naming the line.
+
+Each call has a *site*: ``"<module path>:<op>#<k>"``, the ``k``-th such call of that op inside
+one call of that module (so a checkpointed module's recomputation meets the same sites).  Every
+size used is recorded (``Site``) for the report's notes.
+
+Other modules call ``count(op, upper)`` for a data-dependent size they price themselves (native
+fast paths over nested tensors), and register ``@observes(op)`` to tell the probe how to read
+that size from a real call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sympy
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from estimator.errors import CaptureError, InputError
+from estimator.symbolic import as_expr
+
+aten = torch.ops.aten
+
+MAX, SAMPLE = "max", "sample"
+
+
+class Source(enum.Enum):
+    """Where a data-dependent size's value comes from."""
+
+    BOUND = "the upper bound (data_dependent='max', the safe worst case)"
+    BUDGET = "the upper bound within a known total (one-hot rows have one 1 each)"
+    FRACTION = "a fraction of the upper bound, rounded up per row"
+    SAMPLE = "observed on the sample (data_dependent='sample'), scaled per batch row"
+    GIVEN = "given for this site"
+    UNOBSERVED = "the upper bound: the probe on the sample did not reach this call"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """``report(data_dependent=...)``, checked: a default for every site and per-site values.
+
+    ``observed``: the probe's sizes by site (``"sample"``), with the bound each had on the
+    sample; ``values``: the probe's scalars by site (``.item()``).
+    """
+
+    default: str | float = MAX
+    sites: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    observed: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # site -> (n, upper)
+    values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def needs_probe(self) -> bool:
+        return self.default == SAMPLE or SAMPLE in self.sites.values()
+
+    @staticmethod
+    def of(value) -> Policy:
+        """From ``report(data_dependent=)``: ``"max"``, ``"sample"``, a fraction in ``(0, 1]``, or
+        a dict ``{site: "max" | "sample" | fraction | int}`` (``"*"``: the default)."""
+        if isinstance(value, Policy):
+            return value
+        if value is None:
+            return Policy()
+        if isinstance(value, Mapping):
+            sites = {str(k): _choice(v, f"data_dependent[{k!r}]", allow_int=True) for k, v in value.items()}
+            return Policy(sites.pop("*", MAX), sites)
+        return Policy(_choice(value, "data_dependent", allow_int=False))
+
+
+def _choice(value, what: str, allow_int: bool):
+    if isinstance(value, str) and value.lower() in (MAX, SAMPLE):
+        return value.lower()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and allow_int:
+        if value < 0:
+            raise InputError(f"{what} must be ≥ 0 elements, got {value}")
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+        if not (0 < float(value) <= 1):
+            raise InputError(f"{what}: a fraction of the upper bound must be in (0, 1], got {value!r}")
+        return float(value)
+    kinds = "'max', 'sample', a fraction in (0, 1]" + (" or a number of elements" if allow_int else "")
+    raise InputError(f"{what} must be {kinds}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One data-dependent size of the step: ``0 ≤ used ≤ upper`` (sympy, shape-env symbols
+    until the capture maps them to ``b``)."""
+
+    site: str
+    op: str
+    upper: Any
+    used: Any
+    source: Source
+    observed: tuple[int, int] | None = None  # (n, upper) on the sample, when probed
+
+
+class NeedsProbe(CaptureError):
+    """A data-dependent value (``.item()``, ``bool(tensor)``) that only a real run can give."""
+
+
+# -- call sites ---------------------------------------------------------------------------
+class _Sites:
+    """``"<module>:<op>#<k>"`` for each call: global module hooks keep the module stack and, per
+    module call, a counter per op."""
+
+    def __init__(self, module_names: Mapping[int, str]):
+        self._names = module_names
+        self._stack: list[tuple[str, dict[str, int]]] = [("", {})]
+
+    def key(self, op: str) -> str:
+        module, counts = self._stack[-1]
+        k = counts.get(op, 0)
+        counts[op] = k + 1
+        return f"{module}:{op}#{k}"
+
+    @contextlib.contextmanager
+    def hooks(self):
+        def enter(m, args):
+            self._stack.append((self._names.get(id(m), type(m).__name__), {}))
+
+        def leave(m, args, out):
+            if len(self._stack) > 1:
+                self._stack.pop()
+
+        pre = nn.modules.module.register_module_forward_pre_hook(enter)
+        post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
+        try:
+            yield self
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def _short(func) -> str:
+    return func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+
+
+# -- the capture's mode -------------------------------------------------------------------
+_ACTIVE: list[DataDependent] = []
+
+
+class DataDependent(TorchDispatchMode):
+    """Answers data-dependent ops on fake tensors by the policy (see the module docstring)."""
+
+    def __init__(self, policy: Policy, module_names: Mapping[int, str]):
+        super().__init__()
+        self.policy = policy
+        self.sites: dict[str, Site] = {}
+        self._sites = _Sites(module_names)
+        self._nnz: dict[tuple[int, int, int], Any] = {}  # (storage, offset, version) of a mask -> its n
+        self._budget: dict[int, list] = {}  # storage of a one-hot tensor (or a copy of part of it) -> [ones left]
+        self._distinct: set[int] = set()  # storages of arange outputs (distinct values)
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        self._hooks = self._sites.hooks()
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
+            _ACTIVE.remove(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if func in _KEEPS_BUDGET and isinstance(args[0], torch.Tensor):
+            pool = self._budget.get(_storage(args[0]))
+            if pool is not None and isinstance(out, torch.Tensor):
+                self._budget.setdefault(_storage(out), pool)
+        return out
+
+    # -- sizes --------------------------------------------------------------------------
+    def size(self, op: str, upper, mask: torch.Tensor | None = None):
+        """The size to use for one data-dependent call (an int or SymInt), recorded as a site."""
+        key = self._sites.key(op)
+        pool = self._budget.get(_storage(mask)) if mask is not None else None
+        used, source, observed = self._choose(key, as_expr(upper))
+        if pool is not None and source is Source.BOUND:
+            left = pool[0]
+            used = left if _le(left, used) else used
+            pool[0] = sympy.expand(left - used)
+            source = Source.BUDGET
+        self.sites[key] = Site(key, op, as_expr(upper), used, source, observed)
+        return _symint(used, upper)
+
+    def _choose(self, key: str, upper):
+        choice = self.policy.sites.get(key, self.policy.default)
+        if isinstance(choice, int):
+            return sympy.Integer(choice), Source.GIVEN, None
+        if isinstance(choice, float):
+            return _scaled(upper, choice), Source.FRACTION, None
+        if choice == SAMPLE:
+            seen = self.policy.observed.get(key)
+            if seen is None:
+                return sympy.sympify(upper), Source.UNOBSERVED, None
+            return _per_row(upper, *seen), Source.SAMPLE, seen
+        return sympy.sympify(upper), Source.BOUND, None
+
+    def nnz(self, mask: torch.Tensor):
+        """The number of nonzeros the capture uses for ``mask`` (the same for every call on one
+        mask: the forward's ``x[mask]`` and its backward's ``index_put_`` agree)."""
+        key = _mask_key(mask)
+        if key not in self._nnz:
+            self._nnz[key] = self.size("nonzero", mask.numel(), mask)
+        return self._nnz[key]
+
+    def value(self, func, args):
+        key = self._sites.key(_short(func))
+        if key in self.policy.values:
+            return self.policy.values[key]
+        raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
+
+
+def active() -> DataDependent | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def count(op: str, upper, mask: torch.Tensor | None = None):
+    """The size of a data-dependent call priced outside this module (a native fast path over
+    nested tensors): ``upper`` the safe bound; the capture's policy decides.  Outside a
+    capture: ``upper``."""
+    mode = active()
+    return upper if mode is None else mode.size(op, upper, mask)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _mask_key(t: torch.Tensor) -> tuple:
+    return _storage(t), t.storage_offset(), t._version, tuple(as_expr(s) for s in t.shape)
+
+
+def _le(a, b) -> bool:
+    """``a ≤ b`` for every positive value of the symbols (False when unknown)."""
+    diff = sympy.expand(sympy.sympify(b) - sympy.sympify(a))
+    if diff.is_number:
+        return bool(diff >= 0)
+    poly = sympy.Poly(diff, *sorted(diff.free_symbols, key=str))
+    return all(c >= 0 for c in poly.coeffs())
+
+
+def _scaled(upper, fraction: float):
+    """``fraction × upper``, each coefficient rounded up (so the size stays an integer
+    polynomial and at least ``fraction`` of every row)."""
+    upper = sympy.sympify(upper)
+    if upper.is_number:
+        return sympy.Integer(math.ceil(fraction * int(upper)))
+    symbols = sorted(upper.free_symbols, key=str)
+    poly = sympy.Poly(upper, *symbols)
+    return sum((sympy.Integer(math.ceil(fraction * int(c))) * sympy.Mul(*[s**e for s, e in zip(symbols, m)])
+                for m, c in poly.terms()), sympy.Integer(0))
+
+
+def _per_row(upper, n: int, bound: int):
+    """The size observed on the sample (``n`` of ``bound``) at any batch: with ``upper = c·x``,
+    ``floor(n / x0)·x + (n mod x0)`` (``x0 = bound / c``: exact on the sample, the sample's
+    rate per row elsewhere); a constant bound keeps ``n``; otherwise the sample's fraction."""
+    upper = sympy.sympify(upper)
+    if upper.is_number or not bound:
+        return sympy.Integer(n)
+    if len(upper.free_symbols) == 1:
+        (x,) = upper.free_symbols
+        c = sympy.simplify(upper / x)
+        if c.is_Integer and bound % int(c) == 0:
+            x0 = bound // int(c)
+            return sympy.Integer(n // x0) * x + (n % x0)
+    return _scaled(upper, n / bound)
+
+
+def _symint(expr, like):
+    """``expr`` as a size: an int, or a SymInt of the shape environment ``like`` lives in."""
+    expr = sympy.sympify(expr)
+    if expr.is_number:
+        return int(expr)
+    node = like.node
+    env = node.shape_env
+    known = getattr(env, "backed_var_to_val", None) or env.var_to_val
+    hint = int(expr.xreplace({s: known[s] for s in expr.free_symbols}))
+    return env.create_symintnode(expr, hint=hint)
+
+
+# -- handlers -------------------------------------------------------------------------------
+def _is_mask(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _nonzero(mode: DataDependent, func, args, kwargs):
+    (x,) = args
+    n = mode.nnz(x)
+    return x.new_empty((n, x.dim()), dtype=torch.long)
+
+
+def _masked_select(mode: DataDependent, func, args, kwargs):
+    x, mask = args
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    full = mask.expand(shape) if tuple(mask.shape) != tuple(shape) else mask
+    return x.new_empty((mode.nnz(full),))
+
+
+def long_indices(mode: DataDependent, indices) -> list:
+    """Boolean masks among advanced indices replaced by their nonzero columns (what ATen's
+    ``expandTensors`` does, aten/src/ATen/native/IndexingUtils.h)."""
+    out = []
+    for index in indices:
+        if _is_mask(index):
+            rows = index.new_empty((mode.nnz(index), index.dim()), dtype=torch.long)
+            out.extend(rows.select(1, j) for j in range(index.dim()))
+        else:
+            out.append(index)
+    return out
+
+
+def _index(mode: DataDependent, func, args, kwargs):
+    x, indices, *rest = args
+    if not any(_is_mask(i) for i in indices):
+        return func(*args, **kwargs)
+    return func(x, long_indices(mode, indices), *rest, **kwargs)
+
+
+def _unique(mode: DataDependent, func, args, kwargs):
+    """``_unique2`` / ``unique_consecutive`` / ``unique_dim``: ``n`` distinct values (rows of
+    ``dim``) of the input's; the inverse has the input's shape, the counts ``n`` entries."""
+    x = args[0]
+    bound = {a.name: a.default_value for a in func._schema.arguments}
+    bound.update(zip(bound, args), **kwargs)
+    dim = bound.get("dim")
+    if dim is None:
+        n = mode.size(_short(func), x.numel())
+        values = x.new_empty((n,))
+        inverse_shape = x.shape
+    else:
+        n = mode.size(_short(func), x.shape[dim])
+        values = x.new_empty((*x.shape[:dim], n, *x.shape[dim + 1:]))
+        inverse_shape = (x.shape[dim],)
+    inverse = x.new_empty(inverse_shape if bound.get("return_inverse") else (0,), dtype=torch.long)
+    counts = x.new_empty((n,) if bound.get("return_counts") else (0,), dtype=torch.long)
+    return values, inverse, counts
+
+
+def _ctc_loss(mode: DataDependent, func, args, kwargs):
+    """``_ctc_loss.Tensor`` (``F.ctc_loss`` with length tensors): ``log_alpha`` is
+    ``(batch, time, 2·L + 1)`` with ``L`` the longest target (aten/src/ATen/native/LossCTC.cpp
+    ``ctc_loss_cpu_template``; the CUDA kernel alike) -- at most the padded targets' length."""
+    log_probs, targets = args[0], args[1]
+    upper = targets.shape[1] if targets.dim() == 2 else targets.shape[0]
+    longest = mode.size("ctc_max_target_length", upper)
+    batch, time = log_probs.shape[1], log_probs.shape[0]
+    if log_probs.dim() == 2:  # unbatched
+        batch, time = 1, log_probs.shape[0]
+    return log_probs.new_empty((batch,)), log_probs.new_empty((batch, time, 2 * longest + 1))
+
+
+def _scalar(mode: DataDependent, func, args, kwargs):
+    if getattr(args[0], "constant", None) is not None:  # a fake tensor that knows its value (torch.tensor(0.))
+        return func(*args, **kwargs)
+    return mode.value(func, args)
+
+
+_HANDLERS: dict[Any, Callable] = {
+    aten.nonzero.default: _nonzero,
+    aten.masked_select.default: _masked_select,
+    aten.index.Tensor: _index,
+    aten.index_put.default: _index,
+    aten.index_put_.default: _index,
+    aten._index_put_impl_.default: _index,
+    aten._unique2.default: _unique,
+    aten.unique_consecutive.default: _unique,
+    aten.unique_dim.default: _unique,
+    aten._local_scalar_dense.default: _scalar,
+    aten._ctc_loss.Tensor: _ctc_loss,
+}
+
+# Ops whose output holds a subset of a one-hot tensor's elements: it keeps the budget of ones.
+_KEEPS_BUDGET = {aten.index.Tensor, aten.select.int, aten.slice.Tensor, aten.clone.default,
+                 aten._to_copy.default, aten.permute.default, aten.view.default, aten._unsafe_view.default}
+
+
+def _arange(mode: DataDependent, func, args, kwargs):
+    out = func(*args, **kwargs)
+    mode._distinct.add(_storage(out))
+    return out
+
+
+def _equal_to_distinct(mode: DataDependent, func, args, kwargs):
+    """``x.unsqueeze(-1) == arange(C)`` (``F.one_hot`` on fake tensors, Onehot.cpp): each element
+    of ``x`` equals at most one of the distinct values, so the result has at most ``numel(x)``
+    ones -- a budget the ``nonzero`` calls over (parts of) it share."""
+    out = func(*args, **kwargs)
+    a, b = args
+    for x, values in ((a, b), (b, a)):
+        if isinstance(values, torch.Tensor) and values.dim() == 1 and _storage(values) in mode._distinct \
+                and isinstance(x, torch.Tensor) and x.dim() >= 1 and as_expr(x.shape[-1]) == 1:
+            mode._budget[_storage(out)] = [sympy.sympify(as_expr(x.numel()))]
+            break
+    return out
+
+
+def _scatter_ones(mode: DataDependent, func, args, kwargs):
+    """``zeros(...).scatter_(dim, index, 1)`` (``F.one_hot`` on real tensors): at most
+    ``numel(index)`` ones."""
+    out = func(*args, **kwargs)
+    value = args[3] if len(args) > 3 else kwargs.get("value")
+    if value == 1:
+        mode._budget[_storage(out)] = [sympy.sympify(as_expr(args[2].numel()))]
+    return out
+
+
+_HANDLERS[aten.arange.default] = _arange
+_HANDLERS[aten.arange.start] = _arange
+_HANDLERS[aten.arange.start_step] = _arange
+_HANDLERS[aten.eq.Tensor] = _equal_to_distinct
+_HANDLERS[aten.scatter_.value] = _scatter_ones
+
+
+# -- the probe: a real forward on the user's sample ------------------------------------------
+_OBSERVERS: dict[Any, Callable] = {}
+
+
+def observes(*ops):
+    """Register ``fn(args, kwargs, out) -> (n, upper)``: how the probe reads a data-dependent
+    size from a real call of ``op`` that ``count`` prices elsewhere."""
+
+    def register(fn):
+        for op in ops:
+            if op in _OBSERVERS:
+                raise ValueError(f"a second observer for {op}")
+            _OBSERVERS[op] = fn
+        return fn
+
+    return register
+
+
+class Probe(TorchDispatchMode):
+    """Records, on real tensors, the sizes of the calls ``DataDependent`` answers and the values
+    of ``.item()``, by the same sites."""
+
+    def __init__(self, module_names: Mapping[int, str]):
+        super().__init__()
+        self.sizes: dict[str, tuple[int, int]] = {}
+        self.values: dict[str, Any] = {}
+        self._sites = _Sites(module_names)
+        self._seen: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            self.values[self._sites.key(_short(func))] = out
+        elif func is aten.nonzero.default:
+            self._mask(args[0], int(out.shape[0]))
+        elif func is aten.masked_select.default:
+            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            self._mask(args[1].expand(shape), int(out.shape[0]))
+        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                      aten._index_put_impl_.default):
+            for index in args[1]:
+                if _is_mask(index):
+                    self._mask(index, int(index.count_nonzero()))
+        elif func in (aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default):
+            dim = kwargs.get("dim", args[1] if func is aten.unique_dim.default and len(args) > 1 else None)
+            upper = args[0].numel() if dim is None else args[0].shape[dim]
+            self.sizes[self._sites.key(_short(func))] = (int(out[0].shape[0 if dim is None else dim]), int(upper))
+        elif func is aten._ctc_loss.Tensor:
+            targets = args[1]
+            upper = targets.shape[1] if targets.dim() == 2 else targets.shape[0]
+            self.sizes[self._sites.key("ctc_max_target_length")] = (int(args[3].max()), int(upper))
+        elif func in _OBSERVERS:
+            self.sizes[self._sites.key(_short(func))] = _OBSERVERS[func](args, kwargs, out)
+        return out
+
+    def _mask(self, mask: torch.Tensor, n: int) -> None:
+        key = (_storage(mask), mask.storage_offset(), mask._version, tuple(mask.shape))
+        if key not in self._seen:  # one size per mask, as in the capture
+            self._seen.add(key)
+            self.sizes[self._sites.key("nonzero")] = (n, int(mask.numel()))
+
+
+def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
+    """Run ``forward()`` (the model's forward and loss on the real sample, no grad) recording the
+    data-dependent sizes and values; the model's buffers and the RNG come back as they were."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise InputError("data_dependent='sample' observes the sizes on the sample with the model's weights, "
+                         "but they are on the meta device: use 'max' (the safe bound), a fraction, or numbers per "
+                         "site (report(..., data_dependent={'site': n}))")
+    names = {id(m): name for name, m in model.named_modules()}
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    recorder = Probe(names)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), recorder._sites.hooks(), recorder:
+            forward()
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
+    return recorder
+
+
+def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:
+    """One note per data-dependent size: its site, range and the value used and why."""
+    out = []
+    for site in sites:
+        seen = "" if site.observed is None else f"; on the sample {site.observed[0]:,} of {site.observed[1]:,}"
+        out.append(f"data-dependent size {site.site} ({site.op}): 0 ≤ n ≤ {site.upper}; used n = {site.used}, "
+                   f"{site.source.value}{seen}. Override with "
+                   f"report(..., data_dependent={{{site.site!r}: n}})")
+    return tuple(out)
+

@@ -1,0 +1,189 @@
+"""The capture path of one ``report()``: symbolic in ``b`` and ``s``, ``b`` alone, or fitted
+concrete captures -- which one held, and the notes that say why it fell back.
+
+``formula`` captures the single-device step as formulas (shared by the requests of one
+``compare`` with the same captured step); ``at_batch`` evaluates it at a request's batch (a
+concrete capture there when it lies outside the formula's range) and, for a pipeline, maps it
+to formulas in the pipeline's batch.  Named after ``CapturePath``, the choice it records;
+``estimator.estimate`` checks the arguments before and assembles the ``Report`` after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from estimator.account import CATEGORIES, Timeline, account, fit_timelines
+from estimator.capture.trace import StepSpec, capture
+from estimator.errors import CaptureError, SymbolicCaptureFailed
+from estimator.report.result import CapturePath
+from estimator.strategy.ranks import RankStep
+from estimator.symbolic import ZERO, NotPolynomial
+
+log = logging.getLogger("estimator.estimate")  # the logger these messages always had
+
+
+@dataclasses.dataclass(frozen=True)
+class Formula:
+    """The captured single-device step as formulas (before any batch is evaluated)."""
+
+    timeline: Timeline
+    path: CapturePath
+    valid_from: int
+    valid_to: int | None
+    guards: tuple[str, ...]
+    graph: Any
+    seq: int | None
+    seq_range: tuple[int, int | None] | None
+    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
+
+    @property
+    def seq_range_lo(self) -> int:
+        return (self.seq_range or (0,))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured(Formula):
+    """The formulas of one request (a pipeline's in its batch) and the timeline at its batch."""
+
+    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
+    outside: bool = False
+
+
+def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
+            seq_dims: dict[int, tuple[int, ...]] | None, seq: int | None) -> Formula:
+    """Capture the step symbolically (b, and s when ``seq_dims``), falling back to b alone and
+    then to fitted concrete captures, hinted at the batch of one micro-batch."""
+    notes: list[str] = []
+    hint = max(batch // microbatches, 2)
+    if hint == seq:
+        hint += 1  # equal hints would make b and s one symbol (duck sizing)
+    graph, seq_range = None, None
+    try:
+        try:
+            raw = capture(model, sample, spec, hint, symbolic=True, seq_dims=seq_dims)
+        except SymbolicCaptureFailed as exc:  # with s symbolic: try again with b alone first
+            if seq is None:
+                raise
+            log.info("s could not stay symbolic (%s); capturing with b symbolic only", exc)
+            notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
+            seq = None
+            raw = capture(model, sample, spec, hint, symbolic=True)
+        timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
+        notes.extend(raw.notes)
+        if raw.rounded:
+            notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
+        valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
+    except SymbolicCaptureFailed as exc:
+        log.info("symbolic capture failed (%s); fitting concrete captures", exc)
+        timeline, graph, valid_to, note, host_notes = _concrete(model, sample, spec, hint, exc)
+        path, guards, valid_from = CapturePath.CONCRETE, (), 2
+        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
+        notes.extend(host_notes)
+        if seq is not None:
+            notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
+            seq = None
+    _annotate(graph, timeline)
+    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes))
+
+
+def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
+             captured: Formula) -> Captured:
+    """The step ``captured`` evaluated at ``batch`` -- a concrete capture there when it lies
+    outside the formula's range -- and, for ``microbatches > 1`` (a pipeline), turned into
+    formulas in the pipeline's batch."""
+    timeline, seq, notes = captured.timeline, captured.seq, list(captured.notes)
+    m = microbatches
+    micro = batch // m
+    valid_from, valid_to = captured.valid_from, captured.valid_to
+    at = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
+    outside = micro < valid_from or (valid_to is not None and micro > valid_to)
+    if outside:  # the formula does not hold here: capture this batch size itself
+        at = account(capture(model, sample, spec, micro, symbolic=False))
+        notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
+    if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
+        try:
+            timeline, at = per_micro(timeline, m), per_micro(at, m)
+        except NotPolynomial:
+            timeline, at = per_micro(timeline, m, True), per_micro(at, m, True)
+            notes.append(rounded_note(m))
+        valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
+    return Captured(**{**vars(captured), "timeline": timeline, "valid_from": valid_from, "valid_to": valid_to,
+                       "notes": tuple(notes)}, at_batch=at, outside=outside)
+
+
+def per_micro(timeline: Timeline, m: int, round_up: bool = False) -> Timeline:
+    """``timeline`` of micro-batches of ``b / m`` rows: its storages' and scratch bytes mapped by
+    ``Poly.per_micro``, the live bytes recomputed from them."""
+    return RankStep.of(timeline).per_micro(m, round_up).timeline()
+
+
+def rounded_note(k: int, examples: tuple[str, ...] = ()) -> str:
+    shown = f" (e.g. a tensor of {examples[0]} bytes for a micro-batch of b rows)" if examples else ""
+    return (f"some tensors' bytes per sample are not a multiple of {k}{shown}: their coefficients in b (the step's "
+            f"batch, {k} micro-batches of b/{k}) are rounded up, so the formula may be high by less than b bytes "
+            "per such tensor")
+
+
+def _annotate(graph, timeline: Timeline) -> None:
+    """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
+    allocated by category, its module path and phase."""
+    nodes = {node.name: node for node in graph.nodes}
+    for op in timeline.ops:
+        node = nodes.get(op.node)
+        if node is not None:
+            node.meta["fxmem"] = {
+                "live": op.total.expr,
+                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO},
+                "module": op.module,
+                "phase": op.phase,
+            }
+
+
+def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
+    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note and the
+    notes of the first capture (host-measured kernels).
+
+    The captures are at ``hint``, ``hint + 1`` and ``4 * hint`` (far apart, so that memory
+    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2`` is
+    used instead and the formula holds up to it only.  Memory that is linear only up to
+    rounding (kernel workspaces rounded to pages) gets the line through the two ends, exact
+    at ``hint``; the note states its largest deviation from the captures.
+    """
+    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, hint + 1)]
+    _check_same_ops(near[0], near[1], hint, hint + 1, why)
+    far, valid_to = 4 * hint, None
+    raw = capture(model, sample, spec, far, symbolic=False)
+    if [op.name for op in raw.ops] != [op.name for op in near[0].ops]:
+        far, valid_to = hint + 2, hint + 2
+        raw = capture(model, sample, spec, far, symbolic=False)
+        _check_same_ops(near[0], raw, hint, far, why)
+    batches, raws = [hint, hint + 1, far], [*near, raw]
+    timelines = [account(r) for r in raws]
+    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {hint + 1}, {far}"
+    try:
+        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes
+    except NotPolynomial:
+        fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
+        deviation = max(
+            abs(op.total(b) - t.ops[i].total(b)) for b, t in zip(batches, timelines) for i, op in enumerate(fitted.ops)
+        )
+        note += (
+            f"; memory is linear in b only up to rounding (kernel buffers rounded to 4 KiB pages): the "
+            f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
+            "other captures, and elsewhere by up to a page per rounded buffer"
+        )
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes
+
+
+def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:
+    names, expected = [op.name for op in raw.ops], [op.name for op in reference.ops]
+    if names != expected:
+        first = next((i for i, (x, y) in enumerate(zip(expected, names)) if x != y), min(len(names), len(expected)))
+        raise CaptureError(
+            f"symbolic capture failed ({why}) and the concrete fallback runs different ops at b={b0} and "
+            f"b={b} (first difference at op {first}): the memory of this model is not one formula in the batch size"
+        )
