@@ -26,6 +26,10 @@ Models (sizes; every model has a tiny "debug"):
     mixtral           transformers' Mixtral from a config (grouped_mm) (debug, 8x7b)
     masked_lm         MLM whose head runs on hidden[labels != -100]    (debug, base)
     spec_augment      speech encoder, random time masks x[mask] = e    (debug, base)
+    mha_padding       nn.MultiheadAttention + key_padding_mask: the    (debug, base)
+                      native fast path in eval
+    encoder_padding   nn.TransformerEncoder + src_key_padding_mask:    (debug, base)
+                      nested tensors in eval (data-dependent tokens)
 
 Each model module exposes Config (a frozen dataclass), SIZES, its nn.Module
 and make(cfg) -> (model, make_sample, loss_fn), so custom configs work too:
@@ -36,7 +40,7 @@ import difflib
 
 import torch
 
-from models_zoo import (bert, convnets, custom_op, gpt, llama, lora, lstm_lm, masked_lm, 
+from models_zoo import (bert, convnets, custom_op, encoder_padding, gpt, llama, lora, lstm_lm, masked_lm, mha_padding,
                         mixtral, mlp, moe, resnet, rnn, spec_augment, tied_autoencoder, unet, vit)
 
 __all__ = ["data_dependent", "get", "names", "sizes"]
@@ -59,6 +63,8 @@ _REGISTRY = {
     "mixtral": mixtral,
     "masked_lm": masked_lm,
     "spec_augment": spec_augment,
+    "mha_padding": mha_padding,
+    "encoder_padding": encoder_padding,
 }
 
 

@@ -11,7 +11,7 @@ from estimator.capture import datadep
 from models_zoo import get, names, sizes
 
 EXPECTED_NAMES = ["mlp", "resnet", "unet", "vit", "gpt", "bert", "rnn", "lstm_lm", "lora", "tied_autoencoder", "llama", "convnets",
-                  "custom_op", "moe", "mixtral", "masked_lm", "spec_augment"]
+                  "custom_op", "moe", "mixtral", "masked_lm", "spec_augment", "mha_padding", "encoder_padding"]
 
 # unique-parameter counts of the reference models (torchvision, GPT-2, Llama-2)
 REFERENCE_COUNTS = [

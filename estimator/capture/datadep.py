@@ -35,6 +35,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -174,9 +175,9 @@ class DataDependent(TorchDispatchMode):
         self.policy = policy
         self.sites: dict[str, Site] = {}
         self._sites = _Sites(module_names)
-        self._nnz: dict[tuple[int, int, int], Any] = {}  # (storage, offset, version) of a mask -> its n
-        self._budget: dict[int, list] = {}  # storage of a one-hot tensor (or a copy of part of it) -> [ones left]
-        self._distinct: set[int] = set()  # storages of arange outputs (distinct values)
+        self._nnz = _PerStorage()  # a mask (storage, offset, version, shape) -> its n
+        self._budget = _PerStorage()  # a one-hot tensor (or a copy of part of it) -> [ones left]
+        self._distinct = _PerStorage()  # arange outputs (distinct values) -> True
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -198,16 +199,16 @@ class DataDependent(TorchDispatchMode):
             return handler(self, func, args, kwargs)
         out = func(*args, **kwargs)
         if func in _KEEPS_BUDGET and isinstance(args[0], torch.Tensor):
-            pool = self._budget.get(_storage(args[0]))
-            if pool is not None and isinstance(out, torch.Tensor):
-                self._budget.setdefault(_storage(out), pool)
+            pool = self._budget.get(args[0])
+            if pool is not None and isinstance(out, torch.Tensor) and self._budget.get(out) is None:
+                self._budget.set(out, pool)
         return out
 
     # -- sizes --------------------------------------------------------------------------
     def size(self, op: str, upper, mask: torch.Tensor | None = None):
         """The size to use for one data-dependent call (an int or SymInt), recorded as a site."""
         key = self._sites.key(op)
-        pool = self._budget.get(_storage(mask)) if mask is not None else None
+        pool = self._budget.get(mask) if mask is not None else None
         used, source, observed = self._choose(key, as_expr(upper))
         if pool is not None and source is Source.BOUND:
             left = pool[0]
@@ -234,9 +235,11 @@ class DataDependent(TorchDispatchMode):
         """The number of nonzeros the capture uses for ``mask`` (the same for every call on one
         mask: the forward's ``x[mask]`` and its backward's ``index_put_`` agree)."""
         key = _mask_key(mask)
-        if key not in self._nnz:
-            self._nnz[key] = self.size("nonzero", mask.numel(), mask)
-        return self._nnz[key]
+        n = self._nnz.get(mask, key)
+        if n is None:
+            n = self.size("nonzero", mask.numel(), mask)
+            self._nnz.set(mask, n, key)
+        return n
 
     def value(self, func, args):
         key = self._sites.key(_short(func))
@@ -257,12 +260,34 @@ def count(op: str, upper, mask: torch.Tensor | None = None):
     return upper if mode is None else mode.size(op, upper, mask)
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+class _PerStorage:
+    """Values keyed by a tensor's storage (and ``extra``), dropped when that storage is freed:
+    storage addresses are reused, and a new mask must not find a dead one's size (a weak
+    reference on the storage, as the tracker keeps)."""
+
+    def __init__(self):
+        self._values: dict[tuple, Any] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def get(self, t: torch.Tensor, extra: tuple = ()):
+        return self._values.get((t.untyped_storage()._cdata, *extra))
+
+    def set(self, t: torch.Tensor, value, extra: tuple = ()) -> None:
+        storage = t.untyped_storage()
+        address = storage._cdata
+        if address not in self._refs:
+            self._refs[address] = weakref.ref(storage, lambda _, a=address: self._drop(a))
+        self._values[(address, *extra)] = value
+
+    def _drop(self, address: int) -> None:
+        self._refs.pop(address, None)
+        for key in [k for k in self._values if k[0] == address]:
+            del self._values[key]
 
 
 def _mask_key(t: torch.Tensor) -> tuple:
-    return _storage(t), t.storage_offset(), t._version, tuple(as_expr(s) for s in t.shape)
+    """A mask's view of its storage: one size per (offset, version, shape)."""
+    return t.storage_offset(), t._version, tuple(as_expr(s) for s in t.shape)
 
 
 def _le(a, b) -> bool:
@@ -412,7 +437,7 @@ _KEEPS_BUDGET = {aten.index.Tensor, aten.select.int, aten.slice.Tensor, aten.clo
 
 def _arange(mode: DataDependent, func, args, kwargs):
     out = func(*args, **kwargs)
-    mode._distinct.add(_storage(out))
+    mode._distinct.set(out, True)
     return out
 
 
@@ -423,9 +448,9 @@ def _equal_to_distinct(mode: DataDependent, func, args, kwargs):
     out = func(*args, **kwargs)
     a, b = args
     for x, values in ((a, b), (b, a)):
-        if isinstance(values, torch.Tensor) and values.dim() == 1 and _storage(values) in mode._distinct \
+        if isinstance(values, torch.Tensor) and values.dim() == 1 and mode._distinct.get(values) \
                 and isinstance(x, torch.Tensor) and x.dim() >= 1 and as_expr(x.shape[-1]) == 1:
-            mode._budget[_storage(out)] = [sympy.sympify(as_expr(x.numel()))]
+            mode._budget.set(out, [sympy.sympify(as_expr(x.numel()))])
             break
     return out
 
@@ -436,7 +461,7 @@ def _scatter_ones(mode: DataDependent, func, args, kwargs):
     out = func(*args, **kwargs)
     value = args[3] if len(args) > 3 else kwargs.get("value")
     if value == 1:
-        mode._budget[_storage(out)] = [sympy.sympify(as_expr(args[2].numel()))]
+        mode._budget.set(out, [sympy.sympify(as_expr(args[2].numel()))])
     return out
 
 
@@ -474,7 +499,7 @@ class Probe(TorchDispatchMode):
         self.sizes: dict[str, tuple[int, int]] = {}
         self.values: dict[str, Any] = {}
         self._sites = _Sites(module_names)
-        self._seen: set[tuple] = set()
+        self._seen = _PerStorage()  # masks already counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -504,9 +529,9 @@ class Probe(TorchDispatchMode):
         return out
 
     def _mask(self, mask: torch.Tensor, n: int) -> None:
-        key = (_storage(mask), mask.storage_offset(), mask._version, tuple(mask.shape))
-        if key not in self._seen:  # one size per mask, as in the capture
-            self._seen.add(key)
+        key = _mask_key(mask)
+        if not self._seen.get(mask, key):  # one size per mask, as in the capture
+            self._seen.set(mask, True, key)
             self.sizes[self._sites.key("nonzero")] = (n, int(mask.numel()))
 
 

@@ -91,6 +91,9 @@ NOT_MODELLED = [
     "CUDA-graph capture (seed/offset on device for mem-efficient)",
     "return_debug_mask=True (testing only)",
     "TORCH_CUDNN_SDPA_AVOID_RECOMPILE ragged offsets (small int tensors)",
+    "nested-tensor fast path of nn.TransformerEncoder (corrections/fastpath.py): device copies of the nested "
+    "metadata (int32, bytes per row) and the nested flash/mem-efficient preprocessing are estimates; bf16 "
+    "nested_from_padded takes the CPU's generic buffers",
     "flash split-KV / deterministic dq_accum splits on GPUs missing from SM_COUNTS (one split assumed)",
 ]
 
