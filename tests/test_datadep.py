@@ -168,3 +168,26 @@ def test_ctc_loss_with_length_tensors():
     # log_alpha (4, 16, 2·5 + 1) fp32 and the backward's log_beta are priced; 32 B of small length
     # buffers are not (tolerance 0.2 %, above the measurement: never under)
     assert 0 <= rep.peak_bytes - measured <= 0.002 * measured
+
+
+class MaskedSelect(nn.Module):
+    """``masked_select`` of a mask the sample decides, and a bool ``sum`` (an int64 copy)."""
+
+    def __init__(self, broadcast: bool):
+        super().__init__()
+        self.lin, self.broadcast = nn.Linear(D, D), broadcast
+
+    def forward(self, x):
+        h = self.lin(x)
+        mask = x[0, :, :1] > 0 if self.broadcast else (x[..., :1] > 0).expand_as(h)
+        return h.masked_select(mask).sum() + mask.sum()
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("b", [2, 32])  # 8,192 elements: the serial kernel; 131,072: the parallel one (> 1 thread)
+def test_masked_select_and_bool_sum_match_the_measurement(broadcast, b):
+    x = torch.randn(b, D, D, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    rep = estimator.report(MaskedSelect(broadcast), x, mode="inference", data_dependent="sample")
+    torch.manual_seed(0)
+    assert rep.peak_bytes == measure_cpu(MaskedSelect(broadcast), x, "inference", None).peak_bytes

@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.capture import datadep
 from estimator.categories import Target
-from estimator.corrections.registry import bind, fake_kernel, fast_path, substitute
+from estimator.corrections.registry import bind, fake_kernel, fast_path, parallel_on_cpu, substitute
 from estimator.errors import CaptureError
 from estimator.symbolic import as_expr
 
@@ -229,17 +229,6 @@ def _row_masks(like, rows, longest, length, width):
     return padded
 
 
-# at::internal::GRAIN_SIZE (aten/src/ATen/Parallel.h): below it, or on one thread, CPU kernels
-# run serially.
-GRAIN_SIZE = 32768
-
-
-def _parallel(numel) -> bool:
-    """``numel >= GRAIN_SIZE && at::get_num_threads() > 1`` (a guard on the batch size when
-    ``numel`` is symbolic: the kernels' buffers differ on each side)."""
-    return torch.get_num_threads() > 1 and bool(numel >= GRAIN_SIZE)
-
-
 def _masked_select_into(padded, final_mask, tokens, width):
     """``padded.masked_select(final_mask)`` on the CPU (``masked_select_out_cpu_impl``,
     TensorAdvancedIndexing.cpp): ``mask.sum()`` (an 8-byte int64 result, reduced from an int64
@@ -249,7 +238,7 @@ def _masked_select_into(padded, final_mask, tokens, width):
     ``mask_prefix_sum`` of every element.  Measured: (32, 32, 64) fp32, 2 threads:
     ``[8, 524288, 16, -16, -524288, -8, 196608, 524288, 524288, -524288, -524288]``."""
     numel = final_mask.numel()
-    parallel = _parallel(numel)
+    parallel = parallel_on_cpu(numel)
     total = final_mask.new_empty((), dtype=_LONG)
     cast = final_mask.new_empty(final_mask.shape, dtype=_LONG)
     if parallel:

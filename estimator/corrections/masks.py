@@ -13,7 +13,7 @@ import torch
 
 from estimator.capture import datadep
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, correction, nbytes, numel
+from estimator.corrections.registry import NO_FIX, Fix, correction, is_contiguous, nbytes, numel, parallel_on_cpu
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
@@ -47,19 +47,24 @@ def mask_indices(args, kwargs, out) -> Fix:
 
 @correction(aten.masked_select.default, targets=Target.CPU)
 def masked_select(args, kwargs, out) -> Fix:
-    """``masked_select_out_cpu_impl`` (aten/src/ATen/native/TensorAdvancedIndexing.cpp): a mask
-    of the input's shape counts its nonzeros into an 8-byte scalar and an int64 prefix sum of
-    every element, freed before the output is allocated.  Measured (8192 elements, n = 4,142):
-    ``[8, 65536, -65536, -8, 16568]``: 8 + 8·numel while the output does not exist yet.  A mask
-    broadcast to the input first: ``[8, 65536, -65536, -8, 16384, 65536, 65536, ...]``: two int64
-    buffers of every element after the output."""
+    """``masked_select_out_cpu_impl`` (aten/src/ATen/native/TensorAdvancedIndexing.cpp):
+    ``mask.sum()`` first -- an 8-byte int64 result reduced from an int64 copy of every element
+    (plus one int64 per thread when the reduction runs in parallel), freed before the output is
+    allocated; then, unless the serial kernel runs (input and mask contiguous and unbroadcast, and
+    fewer than ``GRAIN_SIZE`` elements or one thread), the int64 ``mask_long`` and
+    ``mask_prefix_sum`` of every element, after the output.  Measured, 2 threads:
+    1,000 elements ``[8, 8000, -8000, -8, out]``; broadcast ``[8, 8000, -8000, -8, out, 8000,
+    8000, ...]``; 40,000 elements ``[8, 320000, 16, -16, -320000, -8, out, 320000, 320000, ...]``."""
     x, mask = args[0], args[1]
-    full = numel(mask) if tuple(mask.shape) == tuple(x.shape) else None
-    if full is not None:
-        return Fix(scratch=(sympy.Max(0, 8 + _LONG * full - nbytes(out)),))
     shape = torch.broadcast_shapes(x.shape, mask.shape)
-    elements = sympy.Mul(*[as_expr(s) for s in shape])
-    return Fix(scratch=(2 * _LONG * elements,))
+    full = mask.expand(shape)  # what the kernel sums and selects through
+    elements = numel(full)
+    threads = torch.get_num_threads() * _LONG if parallel_on_cpu(full.numel()) else 0
+    before = sympy.Max(0, 8 + _LONG * elements + threads - nbytes(out))  # the output does not exist yet
+    unbroadcast = tuple(x.shape) == tuple(mask.shape) == tuple(shape)
+    if unbroadcast and is_contiguous(x) and is_contiguous(mask) and not parallel_on_cpu(x.numel()):
+        return Fix(scratch=(before,))
+    return Fix(scratch=(before, 2 * _LONG * elements))
 
 
 @correction(aten.masked_select.default, targets=Target.CUDA)

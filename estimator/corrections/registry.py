@@ -300,6 +300,19 @@ def is_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
+# at::internal::GRAIN_SIZE (aten/src/ATen/Parallel.h): below it, or on one thread, CPU kernels
+# run serially.
+GRAIN_SIZE = 32768
+
+
+def parallel_on_cpu(numel) -> bool:
+    """``numel >= GRAIN_SIZE && at::get_num_threads() > 1``: whether a CPU kernel that switches
+    algorithm at the grain size takes its parallel one.  A symbolic ``numel`` (a SymInt) adds a
+    guard on the batch size -- on purpose: the kernel's buffers differ on each side, so the
+    formula holds on the requested batch's side only."""
+    return torch.get_num_threads() > 1 and bool(numel >= GRAIN_SIZE)
+
+
 def nbytes(t: torch.Tensor):
     """Bytes of ``t``'s elements (``numel * itemsize``), an int or a sympy expression."""
     return numel(t) * t.element_size()
