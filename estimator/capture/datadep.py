@@ -556,12 +556,24 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
 
 
 def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:
-    """One note per data-dependent size: its site, range and the value used and why."""
-    out = []
+    """The data-dependent sizes used, one note per module and op whose calls share a bound and a
+    source (an MoE layer's experts): the sites, the range, the values used and why."""
+    groups: dict[tuple, list[Site]] = {}
     for site in sites:
-        seen = "" if site.observed is None else f"; on the sample {site.observed[0]:,} of {site.observed[1]:,}"
-        out.append(f"data-dependent size {site.site} ({site.op}): 0 ≤ n ≤ {site.upper}; used n = {site.used}, "
-                   f"{site.source.value}{seen}. Override with "
-                   f"report(..., data_dependent={{{site.site!r}: n}})")
+        module, _, rest = site.site.rpartition(":")
+        groups.setdefault((module, rest.split("#")[0], str(site.upper), site.source), []).append(site)
+    out = []
+    for (module, op, upper, source), group in groups.items():
+        ks = [int(g.site.rpartition("#")[2]) for g in group]
+        calls = f"#{ks[0]}" if len(ks) == 1 else (
+            f"#{ks[0]}–#{ks[-1]}" if ks == list(range(ks[0], ks[-1] + 1)) else "#" + ", #".join(map(str, ks)))
+        used = sorted({str(g.used) for g in group})
+        used = used[0] if len(used) == 1 else ", ".join(str(g.used) for g in group)
+        seen = [g.observed for g in group if g.observed is not None]
+        seen = "; on the sample " + ", ".join(f"{n:,}" for n, _ in seen) + f" of {seen[0][1]:,}" if seen else ""
+        each = " each" if len(group) > 1 else ""
+        out.append(f"data-dependent size{'s' if len(group) > 1 else ''} {module}:{op}{calls}: 0 ≤ n ≤ {upper}{each}; "
+                   f"used n = {used}, {source.value}{seen}. Override with "
+                   f"report(..., data_dependent={{{group[0].site!r}: n, ...}})")
     return tuple(out)
 
