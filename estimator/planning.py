@@ -18,7 +18,7 @@ from estimator.errors import InputError
 from estimator.estimate import _capture_formula, _capture_step, _request, _result, _sample_batch
 from estimator.report.result import Report
 from estimator.strategy import Sharding, Strategy, blocks
-from estimator.units import format_bytes, parse_bytes
+from estimator.units import as_int, format_bytes, parse_bytes
 
 BASELINE = "single device"
 
@@ -162,8 +162,7 @@ def compare(
     ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.  The other
     arguments are ``estimator.report``'s.  Each distinct single-device step is captured once.
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise InputError(f"devices must be a positive int, got {devices!r}")
+    devices = as_int(devices, "devices")
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
     if strategies is None:

@@ -24,8 +24,8 @@ Mixed precision (``Precision``) is the standard recipe::
 ``no_grad`` forward inside the same ``torch.autocast`` region.
 
 A ``Strategy`` (``estimator.strategy``) changes the train step: ``accumulate=k`` runs the
-forward and backward on ``k`` micro-batches (views ``chunk(k)`` of the sample along dim 0, the
-full sample staying alive), each loss divided by ``k``, the gradients accumulating from the
+forward and backward on ``k`` micro-batches (views ``chunk(k)`` of the sample along its batch
+dim, dim 0 unless ``batch_dims`` says otherwise, the full sample staying alive), each loss divided by ``k``, the gradients accumulating from the
 second backward on, then one optimizer step; ``out`` and ``loss`` of a micro-step stay alive
 until the next micro-step's forward has produced its own (plain Python rebinding), the last
 ones to the end.  ``checkpoint`` runs the selected modules under

@@ -45,6 +45,8 @@ CASES = (
     ("lora", "small", (4, 8, 16)),
     ("tied_autoencoder", "small", (8, 32, 128)),
     ("llama", "debug", (2, 8, 32)),
+    ("lstm_lm", "small", (8, 32, 64)),
+    ("custom_op", "small", (8, 32, 128)),
 )
 PREDICTIONS = Path(__file__).with_name("gpu_predictions.json")
 RESULTS_JSON = Path("docs/validation-gpu.json")

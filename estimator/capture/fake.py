@@ -59,19 +59,21 @@ def _fake(t: torch.Tensor, mode: FakeTensorMode, symbolic_context=None) -> torch
     return fake
 
 
-def _counter(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
-    """A fake tensor that knows its value, for a one-element integer buffer (BatchNorm's
-    ``num_batches_tracked``): code may read it (``1.0 / float(self.num_batches_tracked)`` with
-    ``momentum=None``) and memory does not depend on it.  The value is a copy (the fake run's
-    ``add_(1)`` must not reach the user's buffer); 0 for a meta tensor."""
+def _scalar(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor that knows its value, for a one-element buffer (BatchNorm's
+    ``num_batches_tracked``, a temperature): code may read it (``1.0 /
+    float(self.num_batches_tracked)`` with ``momentum=None``) without a real run, and memory
+    does not depend on it.  The value is a copy (the fake run's ``add_(1)`` must not reach the
+    user's buffer); 0 for an integer on the meta device (``_is_scalar``)."""
     value = torch.zeros(t.shape, dtype=t.dtype) if t.device.type != "cpu" else t.detach().clone()
     return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
 
 
-def _is_counter(t: torch.Tensor) -> bool:
-    if isinstance(t, nn.Parameter) or nn.parameter.is_lazy(t):
+def _is_scalar(t: torch.Tensor) -> bool:
+    """A one-element buffer whose value is known: on the CPU, or an integer counter (0 on meta)."""
+    if isinstance(t, nn.Parameter) or nn.parameter.is_lazy(t) or t.numel() != 1:
         return False
-    return t.numel() == 1 and not (t.is_floating_point() or t.is_complex())
+    return t.device.type == "cpu" or not (t.is_floating_point() or t.is_complex())
 
 
 def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -81,7 +83,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     state = step.state_tensors(model, None, ())
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
-            fake = _counter(value, mode) if _is_counter(value) else _fake(value.detach(), mode)
+            fake = _scalar(value, mode) if _is_scalar(value) else _fake(value.detach(), mode)
             if isinstance(value, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=value.requires_grad)
             memo[id(value)] = fake
@@ -296,10 +298,9 @@ class RealTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _LIFTS:
-            flat = tree_flatten((args, kwargs))[0]
-            if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in flat):
-                args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))
+        if (_has_real(args) or kwargs and _has_real(kwargs.values())) and func not in _LIFTS:
+            args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))
+        if func in _CHECKED:
             refused = check_kernel(func, args, kwargs, self.cuda)
             if refused is not None:
                 module = self._module()
@@ -320,7 +321,10 @@ class RealTensors(TorchDispatchMode):
         if not in_model and t.dim() > self.dim and t.shape[self.dim] == self.rows:
             batch_dim = self.dim
         with _disable_current_modes():
-            fake = self.as_batch(t.detach(), batch_dim) if batch_dim is not None else _fake(t.detach(), self.mode)
+            if batch_dim is not None:
+                fake = self.as_batch(t.detach(), batch_dim)
+            else:
+                fake = _scalar(t, self.mode) if _is_scalar(t) else _fake(t.detach(), self.mode)
         met = Met(_name_in(frame, t), _describe(t), _line(frame),
                   Category.BUFFER if in_model else Category.INPUT, batch_dim)
         self.met[id(t)] = (t, fake, met)
@@ -362,6 +366,23 @@ _SAME_DTYPE_CPU_SELF = {aten.addmm.default, aten.baddbmm.default, aten.addbmm.de
 _NORMS_CPU = {aten.native_layer_norm.default, aten.native_batch_norm.default,
               aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
               aten._native_batch_norm_legit_no_training.default, aten.native_group_norm.default}
+
+
+_CHECKED = _SAME_DTYPE.keys() | _NORMS_CPU
+
+
+def _has_real(values) -> bool:
+    """Whether a real (not fake) tensor is among ``values`` or in a list of them (the common
+    case, none, must be cheap: this runs for every op)."""
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            if not isinstance(a, FakeTensor):
+                return True
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+                    return True
+    return False
 
 
 def check_kernel(func, args, kwargs, cuda: bool) -> str | None:

@@ -200,7 +200,9 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         _drop_state_without_grad(tracker, optimizer)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
-    grown = _growth_note(fmodel, fsample, spec, optimizer, scaler, mode, real, before, after, micro)
+
+    def grown() -> tuple[str, ...]:  # last: its extra step must not add guards to what was read
+        return _growth_note(fmodel, fsample, spec, optimizer, scaler, mode, real, before, after, micro)
 
     unknown = set(spec.data_dependent.sites) - set(dd.sites)
     if unknown:
@@ -210,16 +212,16 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         _symbol_range(shape_env, batch_symbols[0], "batch size", SymbolicCaptureFailed)
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
-    notes += held_note(model) + real.notes() + grown
+    notes += held_note(model) + real.notes()
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
-                          notes=notes + datadep.notes(sites), data_dependent=sites)
+                          notes=notes + datadep.notes(sites) + grown(), data_dependent=sites)
     raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
-    raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent)
+    raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     return raw
 
 
