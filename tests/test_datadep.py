@@ -191,3 +191,29 @@ def test_masked_select_and_bool_sum_match_the_measurement(broadcast, b):
     rep = estimator.report(MaskedSelect(broadcast), x, mode="inference", data_dependent="sample")
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(MaskedSelect(broadcast), x, "inference", None).peak_bytes
+
+
+def test_probe_leaves_the_users_hooks_alone():
+    seen = []
+    model = Select()
+    handle = model.a.register_forward_hook(lambda m, args, out: seen.append(out))
+    estimator.report(model, _sample(4), mode="inference", loss_fn=_loss, data_dependent="sample")
+    assert seen == [] and len(model.a._forward_hooks) == 1  # not run on real tensors, still registered
+    handle.remove()
+
+
+def test_numpy_integers_in_a_strategy():
+    np = pytest.importorskip("numpy")
+    assert estimator.Strategy(accumulate=np.int64(2)).accumulate == 2
+
+
+def test_concrete_fallback_with_accumulation():
+    """``masked_select``'s backward reads ``input.sizes()`` (the batch becomes a constant): the
+    concrete captures then run at multiples of the accumulated micro-batches."""
+    x = torch.randn(8, D, D, generator=torch.Generator().manual_seed(0))
+    rep = estimator.report(MaskedSelect(False), x, loss_fn=lambda out, s: out,
+                           strategy=estimator.Strategy(accumulate=2))
+    assert rep.path.value == "concrete" and "b = 8, 10, 32" in rep.notes[0]
+    measured = measure_cpu(MaskedSelect(False), x, "train", "adamw", lambda out, s: out,
+                           strategy=estimator.Strategy(accumulate=2))
+    assert rep.peak_bytes >= measured.peak_bytes  # the bound (every element selected): an upper estimate

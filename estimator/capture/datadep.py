@@ -535,9 +535,29 @@ class Probe(TorchDispatchMode):
             self.sizes[self._sites.key("nonzero")] = (n, int(mask.numel()))
 
 
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _hooks_off(model: nn.Module):
+    """The forward hooks of ``model``'s modules taken out, and put back on exit."""
+    saved = [(m, name, dict(getattr(m, name))) for m in model.modules() for name in _MODULE_HOOKS
+             if getattr(m, name, None)]
+    for m, name, _ in saved:
+        getattr(m, name).clear()
+    try:
+        yield
+    finally:
+        for m, name, hooks in saved:
+            getattr(m, name).update(hooks)
+
+
 def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad) recording the
-    data-dependent sizes and values; the model's buffers and the RNG come back as they were."""
+    data-dependent sizes and values; the model's buffers and the RNG come back as they were, and
+    the model's own forward hooks do not run (they would see real tensors the user's code keeps:
+    a hook that changes a module's output changes what the probe sees, a limitation)."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise InputError("data_dependent='sample' observes the sizes on the sample with the model's weights, "
                          "but they are on the meta device: use 'max' (the safe bound), a fraction, or numbers per "
@@ -546,7 +566,7 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     recorder = Probe(names)
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), recorder._sites.hooks(), recorder:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _hooks_off(model), recorder._sites.hooks(), recorder:
             forward()
     finally:
         with torch.no_grad():

@@ -147,23 +147,26 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     """Fit concrete captures; returns the timeline, the graph, the last valid b, a note and the
     notes of the first capture (host-measured kernels).
 
-    The captures are at ``hint``, ``hint + 1`` and ``4 * hint`` (far apart, so that memory
-    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2`` is
+    The captures are at ``hint``, ``hint + k`` and ``4 * hint`` (``k``: the accumulated
+    micro-batches, whose number must divide every captured batch; far apart, so that memory
+    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2k`` is
     used instead and the formula holds up to it only.  Memory that is linear only up to
     rounding (kernel workspaces rounded to pages) gets the line through the two ends, exact
     at ``hint``; the note states its largest deviation from the captures.
     """
-    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, hint + 1)]
-    _check_same_ops(near[0], near[1], hint, hint + 1, why)
+    k = spec.strategy.accumulate
+    next_ = hint + k
+    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, next_)]
+    _check_same_ops(near[0], near[1], hint, next_, why)
     far, valid_to = 4 * hint, None
     raw = capture(model, sample, spec, far, symbolic=False)
     if [op.name for op in raw.ops] != [op.name for op in near[0].ops]:
-        far, valid_to = hint + 2, hint + 2
+        far, valid_to = hint + 2 * k, hint + 2 * k
         raw = capture(model, sample, spec, far, symbolic=False)
         _check_same_ops(near[0], raw, hint, far, why)
-    batches, raws = [hint, hint + 1, far], [*near, raw]
+    batches, raws = [hint, next_, far], [*near, raw]
     timelines = [account(r) for r in raws]
-    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {hint + 1}, {far}"
+    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {next_}, {far}"
     try:
         return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes
     except NotPolynomial:

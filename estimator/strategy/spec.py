@@ -28,6 +28,7 @@ import difflib
 import enum
 import fnmatch
 import functools
+import numbers
 from collections.abc import Iterator
 
 import torch
@@ -102,9 +103,9 @@ class Strategy:
 
     def __post_init__(self) -> None:
         for name in ("accumulate", "data_parallel", "pipeline"):
-            _positive_int(name, getattr(self, name))
+            _positive_int(self, name)
         if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches)
+            _positive_int(self, "microbatches")
         for name in ("checkpoint", "shard_modules"):
             _selection(self, name)
         if self.amp is not None and self.amp not in ("fp16", "bf16"):
@@ -203,9 +204,12 @@ class Strategy:
         return select(model, self.checkpoint, "checkpoint")
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _positive_int(strategy: Strategy, name: str) -> None:
+    """A positive integer (``numbers.Integral``: numpy's too), stored as an ``int``."""
+    value = getattr(strategy, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise InputError(f"Strategy({name}=) must be a positive int, got {value!r}")
+    object.__setattr__(strategy, name, int(value))
 
 
 def _selection(strategy: Strategy, name: str) -> None:
