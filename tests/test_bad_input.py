@@ -176,6 +176,7 @@ def test_data_dependent_value_on_meta_weights_says_why():
     with pytest.raises(CaptureError, match="meta device") as err:
         estimator.report(model, x8(), mode="inference")
     assert isinstance(err.value, FxmemError)
+    assert "if x.sum().item() > 0:" in str(err.value) and __file__ in str(err.value)  # the user's line
 
 
 def test_model_that_raises_names_the_line():

@@ -131,18 +131,24 @@ def to_markdown(rows: list[Row], command: str) -> str:
          "are measured on the host that runs the estimate (`estimator/target/cpu.py`), so these "
          "figures hold for any host that reruns them; the table is this host's."),
         "",
+        ("Models with data-dependent sizes (boolean masks, MoE routing, nested tensors: "
+         f"{', '.join(n for n in models_zoo.names() if models_zoo.data_dependent(n))}) are estimated "
+         "with the sizes of the measured step itself (column *sizes*: `measured step's`), read on the "
+         "measured instance just before it: those rows check the memory model. The estimate's default, "
+         "`data_dependent=\"max\"`, is an upper bound instead."),
+        "",
         f"Reproduce: `{command}`",
         "",
         (f"**{stats['cases']} cases: median |error| {stats['median_abs_error_pct']:.3f} %, "
         f"max |error| {stats['max_abs_error_pct']:.3f} %, {stats['within_0.5pct']} within 0.5 %.**"),
         "",
-        "| model | size | dtype | mode | batch | predicted (B) | measured (B) | error | capture | estimate time |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---:|",
+        "| model | size | dtype | mode | batch | predicted (B) | measured (B) | error | capture | sizes | estimate time |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.size} | {r.dtype} | {r.mode} | {r.batch} | {r.predicted:,} | {r.measured:,} "
-            f"| {r.error:+.3f} % | {r.capture} | {r.estimate_seconds:.2f} s |"
+            f"| {r.error:+.3f} % | {r.capture} | {r.data_dependent} | {r.estimate_seconds:.2f} s |"
         )
     return "\n".join(lines) + "\n\n" + RESIDUALS
 

@@ -96,12 +96,14 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     try:
         return _capture(model, sample, spec, batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:
+        where = _user_frame(exc)
+        what = f"{exc}{f' (at {where})' if where else ''}"
         if spec.data_dependent.observed or spec.data_dependent.values:
-            raise CaptureError(f"{exc}, but the probe on the sample did not reach it") from None
+            raise CaptureError(f"{what}, but the probe on the sample did not reach it") from None
         try:
             probed = _probed(model, sample, spec)
         except InputError:
-            raise CaptureError(f"{exc}; the model's weights are on the meta device, so fxmem cannot run it: "
+            raise CaptureError(f"{what}; the model's weights are on the meta device, so fxmem cannot run it: "
                                "build it with real (e.g. random) weights") from None
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
 
