@@ -323,6 +323,7 @@ def _result(request: _Request, step_: Captured) -> Report:
         "seq_range": step_.seq_range or (2, None),
         "multiple": strategy.multiple,
         "strategy": strategy,
+        "data_dependent": step_.data_dependent,
     }
     if not strategy.distributed:
         return _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})

@@ -217,3 +217,10 @@ def test_concrete_fallback_with_accumulation():
     measured = measure_cpu(MaskedSelect(False), x, "train", "adamw", lambda out, s: out,
                            strategy=estimator.Strategy(accumulate=2))
     assert rep.peak_bytes >= measured.peak_bytes  # the bound (every element selected): an upper estimate
+
+
+def test_report_lists_the_sizes_it_used():
+    x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
+    (site,) = estimator.report(Gather(), (x, mask), mode="inference").data_dependent
+    b = estimator.symbolic.B
+    assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, datadep.Source.BOUND)

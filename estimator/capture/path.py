@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
+from estimator.capture import datadep
 from estimator.capture.trace import StepSpec, capture
 from estimator.errors import CaptureError, SymbolicCaptureFailed
 from estimator.report.result import CapturePath
@@ -39,6 +40,7 @@ class Formula:
     seq: int | None
     seq_range: tuple[int, int | None] | None
     notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
+    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
 
     @property
     def seq_range_lo(self) -> int:
@@ -77,9 +79,10 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         if raw.rounded:
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
+        sites = raw.data_dependent
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph, valid_to, note, host_notes = _concrete(model, sample, spec, hint, exc)
+        timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
         notes.extend(host_notes)
@@ -87,7 +90,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
             seq = None
     _annotate(graph, timeline)
-    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes))
+    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
@@ -144,8 +147,9 @@ def _annotate(graph, timeline: Timeline) -> None:
 
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
-    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note and the
-    notes of the first capture (host-measured kernels).
+    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note, and the
+    notes (host-measured kernels, data-dependent sizes) and data-dependent sizes of the first
+    capture.
 
     The captures are at ``hint``, ``hint + k`` and ``4 * hint`` (``k``: the accumulated
     micro-batches, whose number must divide every captured batch; far apart, so that memory
@@ -168,7 +172,7 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     timelines = [account(r) for r in raws]
     note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {next_}, {far}"
     try:
-        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes
+        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
     except NotPolynomial:
         fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
         deviation = max(
@@ -179,7 +183,7 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
             f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
             "other captures, and elsewhere by up to a page per rounded buffer"
         )
-        return fitted, raws[0].graph, valid_to, note, raws[0].notes
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
 
 
 def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:

@@ -94,6 +94,9 @@ class Report:
     # Distributed strategies: each group of identical ranks' own report; this report is the
     # worst rank's, with ``pieces`` (so ``peak``, ``at``, ``max_batch``) the max over all ranks.
     ranks: tuple[RankReport, ...] = ()
+    # The data-dependent sizes the step used (``estimator.capture.datadep.Site``: the call site,
+    # ``upper`` and ``used`` in b, and why), for ``report(data_dependent=)``.
+    data_dependent: tuple = ()
 
     @property
     def reserved_bytes(self) -> int | None:
