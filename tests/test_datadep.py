@@ -224,3 +224,24 @@ def test_report_lists_the_sizes_it_used():
     (site,) = estimator.report(Gather(), (x, mask), mode="inference").data_dependent
     b = estimator.symbolic.B
     assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, datadep.Source.BOUND)
+
+
+def test_transformers_eager_experts_replay_their_item_calls():
+    """transformers' eager MoE loop (``for expert_idx in expert_hit: if expert_idx == E: ...``,
+    ``expert_mask[expert_idx]``) needs ``.item()`` values: replayed from the probe by the line
+    that asks (real and fake tensors ask in different numbers), exact on the sample."""
+    from estimator.integrations._common import import_optional
+
+    transformers = import_optional("transformers", "transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        experts_implementation="eager")
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.MixtralForCausalLM(config)
+
+    rep = estimator.report(model(), {"input_ids": ids}, mode="inference", data_dependent="sample")
+    assert rep.peak_bytes == measure_cpu(model(), {"input_ids": ids}, "inference", None).peak_bytes

@@ -35,6 +35,8 @@ import dataclasses
 import enum
 import math
 import numbers
+import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -159,6 +161,19 @@ class _Sites:
             post.remove()
 
 
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _user_line() -> str:
+    """``file:line`` of the innermost frame outside torch and fxmem: values are keyed by the line
+    that asks for them, since real and fake tensors do not ask equally often (indexing with a
+    0-dim tensor calls ``item()`` on a real CPU tensor only)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
 def _short(func) -> str:
     return func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
 
@@ -242,7 +257,7 @@ class DataDependent(TorchDispatchMode):
         return n
 
     def value(self, func, args):
-        key = self._sites.key(_short(func))
+        key = self._sites.key(f"{_short(func)}@{_user_line()}")
         if key in self.policy.values:
             return self.policy.values[key]
         raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
@@ -505,7 +520,7 @@ class Probe(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is aten._local_scalar_dense.default:
-            self.values[self._sites.key(_short(func))] = out
+            self.values[self._sites.key(f"{_short(func)}@{_user_line()}")] = out
         elif func is aten.nonzero.default:
             self._mask(args[0], int(out.shape[0]))
         elif func is aten.masked_select.default:
