@@ -191,3 +191,12 @@ def test_model_that_raises_names_the_line():
     with pytest.raises(FxmemError) as err:
         estimator.report(Broken(), x8())
     assert "x.view(-1, 15)" in str(err.value)
+
+
+def test_uninitialised_lazy_modules_are_named():
+    model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.LazyLinear(4))
+    with pytest.raises(InputError, match="lazy modules.*model\\(sample\\)"):
+        estimator.report(model, x8())
+    with torch.no_grad():
+        model(x8())  # initialised: now an ordinary model
+    assert estimator.report(model, x8()).peak_bytes > 0

@@ -83,6 +83,11 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     state = step.state_tensors(model, None, ())
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
+            if isinstance(value, nn.parameter.UninitializedTensorMixin):
+                raise InputError(
+                    f"{type(value).__name__} {_state_name(state, value)!r}: the model has lazy modules "
+                    "(nn.LazyLinear, ...) whose parameters do not exist yet; initialise them with one call on a "
+                    "sample first (with torch.no_grad(): model(sample)), then estimate")
             fake = _scalar(value, mode) if _is_scalar(value) else _fake(value.detach(), mode)
             if isinstance(value, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=value.requires_grad)
@@ -96,6 +101,10 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         ) from exc
     _isolate_hooks(copied, memo)
     return copied
+
+
+def _state_name(state, value) -> str:
+    return next((name for tensors in state.values() for name, t in tensors.items() if t is value), "?")
 
 
 def held_note(model: nn.Module) -> tuple[str, ...]:

@@ -185,7 +185,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
         corrections.apply_optimizer_rules(spec.target, optimizer)
         with real_tensors(batch, False, 1):  # a lazy model's first step: a static sample of `batch` rows
-            _warm_up(fmodel, lambda: fake_sample(sample, mode, batch, False, None, dims), spec, optimizer, scaler)
+            _warm_up(fmodel, optimizer, scaler)
         on_host = _host_state(spec, optimizer)
         for category, tensors in step.state_tensors(fmodel, optimizer, fsample, scaler).items():
             tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
@@ -291,21 +291,15 @@ def _full_batch(fsample, k: int, batch_dims: tuple[int, ...] | None = None):
     return tree_unflatten([repeat(t, d) if isinstance(t, torch.Tensor) else t for t, d in zip(leaves, dims)], tree)
 
 
-def _warm_up(model: nn.Module, make_static_sample, spec: StepSpec, optimizer, scaler) -> None:
+def _warm_up(model: nn.Module, optimizer, scaler) -> None:
     """Reach the steady state the measured step starts from.
 
     Optimizer state is created lazily by the first ``step()``; it depends on the parameters'
     shapes only, so a step on zero gradients creates it without a forward and backward.  A
     ``GradScaler`` creates its scale and growth tracker at its first ``scale()``: scaling a
-    zero loss does, and ``scaler.step``/``update`` then run as in a real first step.  Lazy
-    modules (``nn.LazyLinear``…) need a real first step, on a static sample (cheaper: no
-    symbolic arithmetic).
+    zero loss does, and ``scaler.step``/``update`` then run as in a real first step.  (Lazy
+    modules with uninitialised parameters are refused before: ``fake.fake_model``.)
     """
-    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in model.modules()):
-        result = step.run(model, make_static_sample(), spec.mode, optimizer, spec.loss_fn, precision=spec.precision,
-                          scaler=scaler)
-        del result
-        return
     if scaler is not None:
         scaler.scale(torch.zeros((), device=step.device_type(model)))
     if optimizer is not None:
