@@ -392,12 +392,19 @@ def _index(mode: DataDependent, func, args, kwargs):
     return func(x, long_indices(mode, indices), *rest, **kwargs)
 
 
+def _bind(func, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in (``registry.bind``'s rule; that
+    module imports this one)."""
+    bound = {a.name: a.default_value for a in func._schema.arguments}
+    bound.update(zip(bound, args), **kwargs)
+    return bound
+
+
 def _unique(mode: DataDependent, func, args, kwargs):
     """``_unique2`` / ``unique_consecutive`` / ``unique_dim``: ``n`` distinct values (rows of
     ``dim``) of the input's; the inverse has the input's shape, the counts ``n`` entries."""
     x = args[0]
-    bound = {a.name: a.default_value for a in func._schema.arguments}
-    bound.update(zip(bound, args), **kwargs)
+    bound = _bind(func, args, kwargs)
     dim = bound.get("dim")
     if dim is None:
         n = mode.size(_short(func), x.numel())
@@ -532,7 +539,7 @@ class Probe(TorchDispatchMode):
                 if _is_mask(index):
                     self._mask(index, int(index.count_nonzero()))
         elif func in (aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default):
-            dim = kwargs.get("dim", args[1] if func is aten.unique_dim.default and len(args) > 1 else None)
+            dim = _bind(func, args, kwargs).get("dim")  # unique_consecutive's is its 4th argument
             upper = args[0].numel() if dim is None else args[0].shape[dim]
             self.sizes[self._sites.key(_short(func))] = (int(out[0].shape[0 if dim is None else dim]), int(upper))
         elif func is aten._ctc_loss.Tensor:
