@@ -60,7 +60,8 @@ class Timeline:
 
     baseline: Vector  # alive before the step: parameters, buffers, inputs, optimizer state
     ops: tuple[OpMemory, ...]
-    # For each storage: (bytes, category, allocating op or -1, op after which it is freed or None).
+    # For each storage: (bytes, category, allocating op or -1, op after which it is freed or None;
+    # -1: state freed before the first op).
     storages: tuple[tuple[Poly, Category, int, int | None], ...]
     # For each storage: the name of the parameter it holds, or is the gradient, optimizer state
     # or an optimizer temporary of (None for everything else); empty when unknown.
@@ -114,6 +115,9 @@ def account(raw: RawCapture) -> Timeline:
         if storage.op < 0:
             current[_INDEX[storage.category]] += storage.nbytes
     baseline = tuple(current)
+    for sid in raw.freed_first:  # state the step frees before its first op (freed "after op -1")
+        freed_after[sid] = -1
+        current[_INDEX[raw.storages[sid].category]] -= raw.storages[sid].nbytes
     total = _sum(current)
 
     ops = []
@@ -188,6 +192,8 @@ def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[ob
         yield "alloc", key, sizes[key]
     for key, nbytes in after_state:
         yield "alloc", key, nbytes
+    for key in frees.get(-1, []):
+        yield "free", key, 0
     for i, op in enumerate(timeline.ops):
         for key in allocs.get(i, []):
             yield "alloc", key, sizes[key]

@@ -3,6 +3,7 @@
     fxmem report gpt --size gpt2-small --batch 8
     fxmem formula resnet --format latex
     fxmem fit llama --size 7b --budget 80GiB --json
+    fxmem report mlp --step my_step.py:train_step
 
 Exit codes: 0 success, 2 bad arguments or input, 3 the model could not be captured,
 130 interrupted (Ctrl-C).
@@ -34,6 +35,12 @@ MODEL_HELP = """MODEL is one of:
   MODULE:FUNC       the same, from an importable module (package.module:make)
   SOURCE:NAME       transformers:gpt2, timm:resnet50, torchvision:resnet18
 """
+STEP_HELP = """
+\b
+--step FILE.py:FUNC runs your own training step, FUNC(model, sample, state), instead of the
+built-in one (forward, loss, backward, optimizer step); state is what --optimizer builds from
+the model: a name (adamw: AdamW over model.parameters()) or FILE.py:FUNC, FUNC(model) -> state.
+"""
 
 
 @dataclass
@@ -63,11 +70,13 @@ class Options:
     microbatches: int | None
     schedule: str
     master_weights: bool
+    step: str | None
+    keep_output: bool | None
 
 
 def model_options(func=None, *, strategy: bool = True):
     """The options shared by ``report``, ``formula`` and ``fit`` (and, without the strategy
-    options, ``compare`` and ``plan``)."""
+    options and ``--keep-output``, ``compare`` and ``plan``, where ``--step`` is hidden and refused)."""
     if func is None:
         return functools.partial(model_options, strategy=strategy)
     options = [
@@ -82,7 +91,16 @@ def model_options(func=None, *, strategy: bool = True):
         click.option(
             "--optimizer", "-o", metavar="NAME",
             help="sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, … or 'none' (default: adamw; ignored, with "
-                 "a note, in inference).",
+                 "a note, in inference); or FILE.py:FUNC, a function of yours: FUNC(params) -> Optimizer"
+                 + (", or with --step FUNC(model) -> the state your step is handed (an optimizer, a tuple or dict "
+                    "of them, an EMA copy, a GradScaler)." if strategy else "."),
+        ),
+        click.option(
+            "--step", metavar="FILE.py:FUNC", hidden=not strategy,  # compare / plan: refused, with the reason
+            help="your own training step instead of the built-in one: FUNC(model, sample, state) runs forward, "
+                 "loss, backward and the optimizer step as you wrote them (state: what --optimizer builds from the "
+                 "model; inference: model.eval(), state None); also package.module:FUNC.  Not with --amp or "
+                 "--keep-output/--drop-output (your step does that itself) nor strategies other than --checkpoint.",
         ),
         click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16"), case_sensitive=False),
                      help="parameter dtype (default: as built)."),
@@ -115,7 +133,7 @@ def model_options(func=None, *, strategy: bool = True):
             help="where zoo and integration models are built (meta allocates nothing).",
         ),
         click.option("--quiet", "-q", is_flag=True, help="no progress lines on stderr."),
-        *(STRATEGY_OPTIONS if strategy else []),
+        *(STRATEGY_OPTIONS + BUILTIN_STEP_OPTIONS if strategy else []),
     ]
     for option in reversed(options):
         func = option(func)
@@ -139,6 +157,12 @@ STRATEGY_OPTIONS = [
     click.option("--master-weights", is_flag=True,
                  help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
 ]
+BUILTIN_STEP_OPTIONS = [
+    click.option("--keep-output/--drop-output", "keep_output", default=None,
+                 help="the built-in step keeps the model's output alive through backward (--keep-output, the "
+                      "default: out = model(x); loss = loss_fn(out, y), as the PyTorch tutorials and nanoGPT) or "
+                      "drops it before backward (--drop-output, as HF Trainer, Lightning and torchtitan)."),
+]
 
 
 def _strategy(opts: Options, model):
@@ -155,7 +179,7 @@ def _strategy(opts: Options, model):
 
 def _options(kwargs) -> Options:
     defaults = {"accumulate": 1, "checkpoint": None, "data_parallel": 1, "zero": None, "pipeline": 1,
-                "microbatches": None, "schedule": "1f1b", "master_weights": False}
+                "microbatches": None, "schedule": "1f1b", "master_weights": False, "keep_output": None}
     opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
     from estimator.errors import InputError
 
@@ -179,19 +203,23 @@ def _estimate(opts: Options, run=None, **extra):
     import estimator
     from estimator import models
 
+    # the user's functions first: a typo in them fails before the model is built
+    user_step = _user_function(opts.step, "--step", "a function step(model, sample, state)")
+    optimizer = _optimizer(opts.optimizer, user_step is not None)
     built = models.resolve(opts.model, size=opts.size, batch=opts.batch, dtype=opts.dtype, device_init=opts.device_init)
     batch = opts.batch or built.batch
-    _status(opts, f"capturing {built.label}, {opts.mode}" + (f", b={batch}" if batch else "") + " ...")
-    optimizer = "adamw" if opts.optimizer is None else opts.optimizer
+    _status(opts, f"capturing {built.label}, {opts.mode}" + (f", step {opts.step}" if opts.step else "")
+            + (f", b={batch}" if batch else "") + " ...")
     if run is None:
-        run, extra = estimator.report, {"amp": opts.amp, "strategy": _strategy(opts, built.model)}
+        run, extra = estimator.report, {"amp": opts.amp, "strategy": _strategy(opts, built.model),
+                                        "keep_output": opts.keep_output, "step": user_step}
     result = run(
         built.model,
         built.sample,
         batch=opts.batch,
         mode=opts.mode,
-        optimizer=None if optimizer.lower() == "none" else optimizer,
-        loss_fn=built.loss_fn,
+        optimizer=optimizer,
+        loss_fn=None if user_step is not None else built.loss_fn,  # a step of yours computes its own loss
         device=opts.device,
         gpu=opts.gpu,
         alloc_conf=opts.alloc_conf,
@@ -202,6 +230,43 @@ def _estimate(opts: Options, run=None, **extra):
     )
     _status(opts, f"done in {time.perf_counter() - start:.1f} s")
     return result
+
+
+def _user_function(text: str | None, flag: str, what: str):
+    """``--step FILE.py:FUNC`` (or ``package.module:FUNC``): the function, loaded as a MODEL
+    factory is; its errors name the flag."""
+    if text is None:
+        return None
+    from estimator import models
+    from estimator.errors import InputError
+
+    try:
+        return models.load_function(text, what)
+    except InputError as exc:
+        raise InputError(f"{flag}: {exc}") from None
+
+
+def _optimizer(text: str | None, user_step: bool):
+    """``--optimizer``: a name (default adamw), ``none``, or ``FILE.py:FUNC``, a function of the
+    user's (``params -> Optimizer``; with ``--step``, ``model -> state``)."""
+    if text is None:
+        return "adamw"
+    if text.strip().lower() == "none":
+        return None
+    if ":" not in text:
+        return text
+    what = "a function make_state(model) -> state" if user_step else "a function make(params) -> Optimizer"
+    return _user_function(text, "--optimizer", what)
+
+
+def _no_step(opts: Options, command: str) -> None:
+    """``compare`` / ``plan`` weigh strategies that transform the built-in step: not with ``--step``."""
+    if opts.step is not None:
+        from estimator.errors import InputError
+
+        raise InputError(f"--step: fxmem {command} weighs strategies that transform the built-in step (accumulation, "
+                         "AMP, DDP, ZeRO, pipeline), which cannot combine with your own step; estimate your step with "
+                         "fxmem report MODEL --step FILE.py:FUNC (--checkpoint MODULES applies to it)")
 
 
 def _data_dependent(specs: tuple[str, ...]):
@@ -325,13 +390,14 @@ def cli():
       fxmem formula gpt --format latex
       fxmem fit llama --size 7b --budget 80GiB --dtype bf16
       fxmem report my_model.py:make --batch 16
+      fxmem report my_model.py:make --step my_step.py:train_step
       fxmem models
 
     Exit codes: 0 ok, 2 bad input or usage, 3 the model could not be captured, 130 interrupted.
     """
 
 
-@cli.command(epilog=MODEL_HELP, short_help="peak memory of one step: the table (or --json).")
+@cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="peak memory of one step: the table (or --json).")
 @model_options
 @click.option("--budget", metavar="BYTES", help="also print the largest batch that fits, e.g. 80GiB, 40GB.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (to_json: exact integer coefficients).")
@@ -347,6 +413,8 @@ def report(budget, as_json, **kwargs):
       fxmem report gpt --batch 8 --device cuda --gpu H100
       fxmem report gpt --batch 8 --amp bf16 --seq input_ids:1
       fxmem report path/to/model.py:make --json | jq .peak_bytes
+      fxmem report mlp --step my_step.py:train_step --optimizer my_step.py:make_state
+      fxmem report gpt --batch 8 --drop-output
     """
     opts = _options(kwargs)
     limit = _budget(budget)
@@ -363,7 +431,7 @@ def report(budget, as_json, **kwargs):
             click.echo(f"\nlargest batch that fits in {budget}: {fit}{_range_note(rep, fit)}")
 
 
-@cli.command(epilog=MODEL_HELP, short_help="the peak as a formula in b: sympy, latex, markdown, json.")
+@cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="the peak as a formula in b: sympy, latex, markdown, json.")
 @model_options
 @click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="sympy", show_default=True,
               help="sympy: the peak expression; latex: an align* block; markdown: a table; json: coefficients.")
@@ -378,6 +446,7 @@ def formula(fmt, as_json, **kwargs):
       fxmem formula resnet --format latex > peak.tex
       fxmem formula vit --format markdown --mode inference
       fxmem formula mlp --format json
+      fxmem formula mlp --step my_step.py:train_step
     """
     opts = _options(kwargs)
     rep = _estimate(opts)
@@ -386,7 +455,7 @@ def formula(fmt, as_json, **kwargs):
     click.echo(render[fmt]().rstrip("\n"))
 
 
-@cli.command(epilog=MODEL_HELP, short_help="the largest batch that fits in --budget.")
+@cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="the largest batch that fits in --budget.")
 @model_options
 @click.option("--budget", metavar="BYTES", required=True, help="the memory to fit in, e.g. 80GiB, 40GB, 512MiB.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")
@@ -461,6 +530,7 @@ def compare(devices, specs, budget, as_json, **kwargs):
       fxmem compare mlp --strategy data_parallel=2 --strategy data_parallel=2,sharding=zero3
     """
     opts = _options(kwargs)
+    _no_step(opts, "compare")
     limit = _budget(budget)
     import estimator
 
@@ -488,6 +558,7 @@ def plan(devices, budget, as_json, **kwargs):
       fxmem plan llama --size 7b --device cuda --gpu A100-80GB --devices 8
     """
     opts = _options(kwargs)
+    _no_step(opts, "plan")
     limit = _budget(budget)
     import estimator
 

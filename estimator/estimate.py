@@ -47,6 +47,8 @@ def report(
     strategy: Strategy | None = None,
     data_dependent: Any = "max",
     batch_dims: int | Mapping | None = None,
+    step: step.StepFn | None = None,
+    keep_output: bool | None = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -118,6 +120,24 @@ def report(
             ``batch_first=False``), or ``{key: dim}`` by dict key / tuple position (other tensors:
             dim 0).  That dim becomes ``b`` (and is what gradient accumulation splits).  Without
             it, a sequence-first module in the model gets a note.
+        step: your own training step instead of the built-in one: ``step(model, sample, state)``,
+            run as you wrote it (two forwards, several losses, ``clip_grad_norm_``, an EMA update,
+            two optimizers, ``zero_grad`` first or with ``set_to_none=False``, ``torch.autocast``
+            and a ``GradScaler`` of your own) and captured like the built-in step: one unrecorded
+            step for the steady state, then the recorded one, every tensor alive across steps
+            (gradients your step does not free, an EMA copy) counted before it.  ``state`` is what
+            ``optimizer`` builds *from the model*: a name (``"adamw"``: that optimizer over
+            ``model.parameters()``) or a callable ``model -> state`` (an optimizer, or a
+            tuple/dict holding optimizers, an ``AveragedModel``, a ``GradScaler``: objects the
+            step keeps between steps belong there).  With ``mode="inference"`` the model is in
+            eval mode and ``state`` is None (your step chooses ``torch.no_grad``).  ``loss_fn``,
+            ``amp``/``grad_scaler`` and strategies other than ``Strategy(checkpoint=...)`` belong
+            to the built-in step and are refused with ``step=``.
+        keep_output: the built-in training step keeps the model's output alive through backward
+            and the optimizer step (True, the default: ``out = model(x); loss = loss_fn(out, y);
+            loss.backward()`` as in PyTorch's tutorials and nanoGPT) or drops it before
+            ``backward()`` (False: Hugging Face's ``Trainer``, Lightning and torchtitan, whose loss
+            helpers return the loss only).  A note gives the output's bytes at the peak.
 
     Hooks: hooks registered on the model's modules run in the fake run, on the copy: each hook
     function is copied with the lists, dicts and sets it reaches (closure, globals), so what it
@@ -141,7 +161,7 @@ def report(
     through data-dependent shapes cannot be captured); sample tensors become contiguous.
     """
     request = _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
-                       dynamic, strategy, data_dependent, batch_dims)
+                       dynamic, strategy, data_dependent, batch_dims, step, keep_output)
     return _result(request, _capture_step(request))
 
 
@@ -178,11 +198,11 @@ class _Request:
     @property
     def capture_key(self) -> tuple:
         """Requests with equal keys (in one ``compare``) share the captured formulas."""
-        return self.spec.precision, self.capture_spec.strategy
+        return self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step
 
 
 def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler, dynamic,
-             strategy, data_dependent="max", batch_dims=None) -> _Request:
+             strategy, data_dependent="max", batch_dims=None, user_step=None, keep_output=None) -> _Request:
     notes = []
     model = _module(model, notes)
     sample_batch, dims = _sample_layout(sample, batch_dims)
@@ -194,22 +214,53 @@ def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_
     seq_dims, seq = _seq_dims(sample, dynamic, dims)
     target, target_notes = target_spec(device_, gpu, alloc_conf)
     notes = [*target_notes, *notes]
-    factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
+    _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output)
+    if user_step is not None:
+        factory = step.state_factory(optimizer) if mode_ is Mode.TRAIN else None
+    else:
+        factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
+    if keep_output is not None and not isinstance(keep_output, bool):
+        raise InputError(f"keep_output must be True or False, got {keep_output!r}")
     strategy = _strategy(strategy, mode_, model, batch)
     if strategy.master_weights:
         factory = _master_weights(model, factory)
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
     precision = step.Precision.of(amp, grad_scaler, mode_)
     spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy,
-                    datadep.Policy.of(data_dependent), dims)
+                    datadep.Policy.of(data_dependent), dims, keep_output is not False, user_step)
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
     if mode_ is not Mode.TRAIN and optimizer is not None and optimizer != DEFAULT_OPTIMIZER:
         notes.append(f"optimizer={_optimizer_name(optimizer)!r} is ignored: inference has no optimizer step")
     if batch_dims is None:
         notes.extend(_sequence_first(model))
+    if user_step is not None:
+        notes.append(f"the step is yours ({_optimizer_name(user_step)}), captured as it ran; its phases were found "
+                     "from its backward() and optimizer.step() calls (ops after a backward outside any module call, "
+                     "such as clipping or an EMA update, count as the optimizer phase)")
     name = _optimizer_name(optimizer) if mode_ is Mode.TRAIN else None
     return _Request(model, sample, spec, batch, seq_dims, seq, name, tuple(notes))
+
+
+def _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output) -> None:
+    """``report(step=)`` checked: a callable, and none of the arguments that shape the built-in
+    step (the user's step does that itself)."""
+    if user_step is None:
+        return
+    if not callable(user_step):
+        raise InputError(f"step must be a callable step(model, sample, state), got {type(user_step).__name__}")
+    given = [name for name, value in (("loss_fn", loss_fn), ("amp", amp), ("grad_scaler", grad_scaler),
+                                      ("keep_output", keep_output)) if value is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the built-in step; with step= your "
+                         "step computes its loss, autocasts (torch.autocast) and keeps what it keeps itself: "
+                         f"drop {' and '.join(given)}")
+    if strategy is not None and isinstance(strategy, Strategy) and (
+            dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False) != DEFAULT):
+        raise InputError(f"strategy={strategy.describe()!r} transforms the built-in step (accumulation, precision, "
+                         "data, sharding and pipeline parallelism) and cannot combine with step=; with your own step, "
+                         "Strategy(checkpoint=...) applies (it wraps modules), the rest is yours to write in the step "
+                         "or to estimate with the built-in step")
 
 
 def _module(model, notes: list[str]) -> nn.Module:
@@ -306,6 +357,8 @@ def _result(request: _Request, step_: Captured) -> Report:
         notes.append(cuda.not_modelled_note())
     if strategy.multiple > 1:
         notes.append(_batch_note(strategy))
+    if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
+        notes.extend(_kept_output_note(step_.at_batch, batch))
     common = {
         "model": type(model).__name__,
         "mode": spec.mode,
@@ -383,6 +436,24 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
         timeline=timeline,
         cuda=on_device,
     )
+
+
+def _kept_output_note(timeline: Timeline, batch: int) -> list[str]:
+    """The cost of ``keep_output=True``: the forward's tensors alive to the end of the step (the
+    model's output and the loss) at ``batch``, and whether they are part of the peak."""
+    kept = [(nbytes, op) for nbytes, category, op, freed in timeline.storages
+            if category is Category.ACTIVATION and freed is None and op >= 0
+            and timeline.ops[op].phase is Phase.FORWARD]
+    total = sum(nbytes(batch) for nbytes, _ in kept)
+    if not total:
+        return []
+    _, (peak, _) = max(_candidates(timeline), key=lambda c: c[0](batch))
+    at_peak = all(op <= peak for _, op in kept)
+    where = ("part of the peak: a loop that drops the output before backward() (Hugging Face's Trainer, Lightning, "
+             "torchtitan; keep_output=False) peaks up to that much lower" if at_peak else "not part of the peak")
+    return [f"keep_output=True: the model's output and the loss stay alive through backward and the optimizer step "
+            f"(out = model(x); loss = loss_fn(out, y); loss.backward(), as in PyTorch's tutorials and nanoGPT): "
+            f"{total:,} B at b = {batch}, {where}"]
 
 
 def _batch_note(strategy: Strategy) -> str:

@@ -11,6 +11,8 @@ A MODEL is one of:
 
 Every problem with the spec (unknown name, missing file or attribute, a factory that raises
 or returns something else) is an ``InputError`` whose message says what to write instead.
+``load_function`` loads the command line's other functions of the user's (``--step``,
+``--optimizer``) the same way.
 Torch is imported only when a model is built, so importing this module is cheap.
 """
 
@@ -84,14 +86,35 @@ def parse(text: str) -> Spec:
     target, name = text.rsplit(":", 1)  # a path may hold one (C:/models/x.py:make)
     if not target or not name:
         raise InputError(f"cannot read the model spec {text!r}: write " + FORMS.format(zoo="gpt, resnet, …"))
+    return _function_spec(target, name, "factory")
+
+
+def _function_spec(target: str, name: str, role: str) -> Spec:
+    """``target:name`` as a ``file`` or ``module`` spec (``role`` names the function in errors)."""
     if target.endswith(".py") or os.sep in target or "/" in target:
         return Spec("file", target, name)
     if not all(part.isidentifier() for part in target.split(".")):
         raise InputError(
-            f"{target!r} is neither a .py file nor a dotted module name: write path/to/file.py:factory "
-            "or package.module:factory"
+            f"{target!r} is neither a .py file nor a dotted module name: write path/to/file.py:{role} "
+            f"or package.module:{role}"
         )
     return Spec("module", target, name)
+
+
+def load_function(text: str, what: str) -> Any:
+    """The function of the user's that ``text`` names, ``path/to/file.py:NAME`` or
+    ``package.module:NAME``, loaded as the MODEL argument's factory is (the command line's
+    ``--step`` and ``--optimizer``); ``what`` says what it must be, for the errors
+    (``"a function step(model, sample, state)"``).  The function is not called."""
+    if not isinstance(text, str) or not text.strip():
+        raise InputError(f"empty function spec: write path/to/file.py:FUNCTION ({what})")
+    text = text.strip()
+    target, sep, name = text.rpartition(":")
+    if not sep or not target or _looks_like_windows_path(text):
+        raise InputError(f"name the function in {text!r}: write {text}:FUNCTION ({what})")
+    if not name.isidentifier():
+        raise InputError(f"{name!r} in {text!r} is not a function name: write path/to/file.py:FUNCTION ({what})")
+    return _function(_function_spec(target, name, "FUNCTION"), what)
 
 
 def _looks_like_windows_path(text: str) -> bool:
@@ -169,20 +192,23 @@ def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: 
     return Built(model, sample, loss_fn, spec.label, batch)
 
 
-def _factory(spec: Spec) -> Built:
-    where = spec.label
-    if spec.kind == "file":
-        module = _import_file(spec.target)
-    else:
-        module = _import_module(spec.target)
-    factory = getattr(module, spec.name, None)
-    if factory is None:
+def _function(spec: Spec, what: str) -> Any:
+    """The callable ``spec`` names in its file or module (imported here); ``what`` describes it."""
+    module = _import_file(spec.target) if spec.kind == "file" else _import_module(spec.target)
+    function = getattr(module, spec.name, None)
+    if function is None:
         public = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
         close = difflib.get_close_matches(spec.name, public, n=1)
         hint = f" Did you mean {spec.target}:{close[0]}?" if close else ""
         raise InputError(f"{spec.target} has no {spec.name!r}.{hint}")
-    if not callable(factory):
-        raise InputError(f"{where} is a {type(factory).__name__}, not a function returning (model, sample)")
+    if not callable(function):
+        raise InputError(f"{spec.label} is a {type(function).__name__}, not {what}")
+    return function
+
+
+def _factory(spec: Spec) -> Built:
+    where = spec.label
+    factory = _function(spec, "a function returning (model, sample)")
     try:
         result = factory()
     except (KeyboardInterrupt, InputError):
@@ -214,6 +240,12 @@ def _import_file(path: str):
     if folder not in sys.path:  # so that the file can import its neighbours
         sys.path.insert(0, folder)
     name = "_fxmem_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
+    # one file named twice (`model.py:make --step model.py:train_step`) is imported once: one
+    # module, its classes and module-level code shared, as a Python import would
+    stamp = (os.path.abspath(path), os.stat(path).st_mtime_ns)
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__fxmem_source__", None) == stamp:
+        return loaded
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise InputError(f"cannot load {path!r} as Python source")
@@ -223,11 +255,14 @@ def _import_file(path: str):
     try:
         spec.loader.exec_module(module)
     except (KeyboardInterrupt, InputError):
+        sys.modules.pop(name, None)  # no half-run module left to reuse
         raise
     except Exception as exc:
+        sys.modules.pop(name, None)
         raise InputError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.dont_write_bytecode = write_bytecode
+    module.__fxmem_source__ = stamp
     return module
 
 

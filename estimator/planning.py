@@ -154,13 +154,15 @@ def compare(
     dynamic: Mapping | None = None,
     data_dependent: Any = "max",
     batch_dims: int | Mapping | None = None,
+    keep_output: bool | None = None,
 ) -> Comparison:
     """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
     ``b`` that fits), against the single-device baseline (the first row).
 
     ``strategies``: ``Strategy`` objects (labelled by ``Strategy.describe()``) or a
     ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.  The other
-    arguments are ``estimator.report``'s.  Each distinct single-device step is captured once.
+    arguments are ``estimator.report``'s (a user's own ``step=`` cannot combine with the strategies
+    compared: estimate it with ``report``).  Each distinct single-device step is captured once.
     """
     devices = as_int(devices, "devices")
     limit = None if budget is None else parse_bytes(budget)
@@ -179,7 +181,7 @@ def compare(
         named = {BASELINE: Strategy(), **named}
     options = {"mode": mode, "optimizer": optimizer, "loss_fn": loss_fn, "device": device, "gpu": gpu,
                "alloc_conf": alloc_conf, "amp": None, "grad_scaler": None, "dynamic": dynamic,
-               "data_dependent": data_dependent, "batch_dims": batch_dims}
+               "data_dependent": data_dependent, "batch_dims": batch_dims, "keep_output": keep_output}
     reports = _reports(model, sample, batch, named, options)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]

@@ -9,8 +9,14 @@ Train step::
     loss.backward()                                       # Phase.BACKWARD
     optimizer.step(); optimizer.zero_grad(set_to_none=True)  # Phase.OPTIMIZER
 
-with ``out`` and ``loss`` alive until the step returns.  Inference: ``model.eval()`` and a
-``torch.no_grad()`` forward.
+with ``out`` and ``loss`` alive until the step returns (``keep_output=False``: ``out`` is
+dropped before ``backward()``, as Hugging Face's ``Trainer``, Lightning and torchtitan do).
+Inference: ``model.eval()`` and a ``torch.no_grad()`` forward.
+
+A user's own step (``report(step=fn)``) replaces all of this: ``fn(model, sample, state)``
+runs as written, ``state`` being what the optimizer factory built from the model
+(``user_state``): an optimizer, or a tuple/dict of them with other training state (an EMA copy,
+a ``GradScaler``).
 
 Mixed precision (``Precision``) is the standard recipe::
 
@@ -51,6 +57,8 @@ from estimator.strategy import DEFAULT, Strategy, checkpointing
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+StepFn = Callable[[nn.Module, Any, Any], Any]  # the user's step: fn(model, sample, state)
+StateFactory = Callable[[nn.Module], Any]  # with step=: model -> the state the step is handed
 PhaseCallback = Callable[[Phase], None]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -135,20 +143,40 @@ class Precision:
 FP32 = Precision()
 
 
-class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose ``step`` takes the "gradients are finite" branch when the
-    inf/nan flags are fake tensors.
+def _finite_gradients(original):
+    """``GradScaler._maybe_opt_step`` that takes the "gradients are finite" branch when the inf/nan
+    flags are fake tensors (``original`` otherwise).
 
-    ``GradScaler._maybe_opt_step`` reads the flags with ``.item()`` to decide whether to call
+    ``_maybe_opt_step`` reads the flags with ``.item()`` to decide whether to call
     ``optimizer.step()``: data-dependent, which a ``FakeTensor`` cannot answer (it raises).  The
     fake run assumes finite gradients (what every step but the skipped ones does; a skipped step
-    allocates less).  On real tensors this is ``torch.amp.GradScaler`` unchanged.
-    """
+    allocates less)."""
 
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+    def maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         if any(isinstance(v, FakeTensor) for v in optimizer_state["found_inf_per_device"].values()):
             return optimizer.step(*args, **kwargs)
-        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        return original(self, optimizer, optimizer_state, *args, **kwargs)
+
+    return maybe_opt_step
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose ``step`` assumes finite gradients on fake tensors
+    (``_finite_gradients``); on real tensors ``torch.amp.GradScaler`` unchanged."""
+
+    _maybe_opt_step = _finite_gradients(torch.amp.GradScaler._maybe_opt_step)
+
+
+@contextlib.contextmanager
+def finite_gradients():
+    """Every ``torch.amp.GradScaler`` (a user's own, in ``report(step=)``) assumes finite
+    gradients on fake tensors, for the block."""
+    original = torch.amp.GradScaler._maybe_opt_step
+    torch.amp.GradScaler._maybe_opt_step = _finite_gradients(original)
+    try:
+        yield
+    finally:
+        torch.amp.GradScaler._maybe_opt_step = original
 
 
 def device_type(model: nn.Module, sample: Any = ()) -> str:
@@ -230,9 +258,10 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     strategy: Strategy = DEFAULT,
     batch_dims: tuple[int, ...] | None = None,
+    keep_output: bool = True,
 ) -> tuple[Any, torch.Tensor]:
     """One training step; returns ``(out, loss)`` (of the last micro-step) so that both stay
-    alive to the end.
+    alive to the end (``keep_output=False``: ``out`` is dropped before backward, None returned).
 
     With ``scaler`` the loss is scaled before backward and ``scaler.step`` unscales the
     gradients (skipping ``optimizer.step()`` on inf/nan) and ``scaler.update()`` adjusts the
@@ -249,6 +278,8 @@ def train_step(
                 loss = _check_loss(loss_fn(out, micro))
                 if k > 1:
                     loss = loss / k
+            if not keep_output:
+                out = None
             on_phase(Phase.BACKWARD)
             (loss if scaler is None else scaler.scale(loss)).backward()
     on_phase(Phase.OPTIMIZER)
@@ -308,7 +339,7 @@ class MasterWeights:
     ``state_tensors`` and the estimator read as optimizer state of ``p``)."""
 
     def __init__(self, params, factory: OptimizerFactory):
-        self.params = list(params)
+        self.params = [p for p in params if p.requires_grad]
         self.masters = [nn.Parameter(p.detach().to(torch.float32)) for p in self.params]
         self.inner = factory(self.masters)
         self.param_groups = [{**group, "params": self.params} for group in self.inner.param_groups[:1]]
@@ -359,20 +390,92 @@ def prepare(
     scaler = GradScaler(device_type(model)) if precision.grad_scaler else None
     if optimizer is None:
         return Prepared(None, scaler)
-    params = trainable(model)
-    if not params:
+    if not trainable(model):
         raise InputError("mode='train' but no parameter requires grad: nothing to train")
-    try:
-        opt = optimizer(params)
-    except InputError:
-        raise
-    except Exception as exc:  # the user's factory: say so, not "the model could not be run"
-        name = getattr(optimizer, "__qualname__", type(optimizer).__name__)
-        raise InputError(f"the optimizer factory {name} raised {type(exc).__name__}: {exc}".rstrip(": ")
-                         + _where(exc)) from exc
+    # Every parameter, as users write it (torch.optim.Adagrad(model.parameters())): frozen ones
+    # get no state from optimizers that create it lazily, but Adagrad creates it in __init__.
+    opt = _built(optimizer, list(model.parameters()))
     if not isinstance(opt, (torch.optim.Optimizer, MasterWeights)):
         raise InputError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
     return Prepared(opt, scaler)
+
+
+def _built(factory: Callable, argument) -> Any:
+    """``factory(argument)``; what the user's factory raises becomes an ``InputError`` naming it
+    (not "the model could not be run")."""
+    try:
+        return factory(argument)
+    except InputError:
+        raise
+    except Exception as exc:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise InputError(f"the optimizer factory {name} raised {type(exc).__name__}: {exc}".rstrip(": ")
+                         + _where(exc)) from exc
+
+
+def state_factory(optimizer: str | StateFactory | None) -> StateFactory | None:
+    """``report(step=, optimizer=)``'s factory, ``model -> state``: a callable as given (the user
+    builds what the step is handed: an optimizer over ``model.parameters()``, or a tuple/dict of
+    optimizers, an EMA copy, a ``GradScaler``); a name: that optimizer over every parameter of
+    the model (``torch.optim.AdamW(model.parameters())``)."""
+    if optimizer is None or callable(optimizer):
+        return optimizer
+    make = optimizer_factory(optimizer)
+    return lambda model: make(list(model.parameters()))
+
+
+def user_state(model: nn.Module, mode: Mode, factory: StateFactory | None) -> Any:
+    """Put ``model`` in the mode's train/eval state and build the state the user's step is
+    handed (train; None in inference or without a factory)."""
+    model.train(mode is Mode.TRAIN)
+    if mode is not Mode.TRAIN or factory is None:
+        return None
+    return _built(factory, model)
+
+
+def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in a user step's state: the state itself, or inside its tuples, lists,
+    dicts and the attributes of plain objects (each once, in order)."""
+    found: dict[int, torch.optim.Optimizer] = {}
+
+    def walk(value, depth: int) -> None:
+        if isinstance(value, torch.optim.Optimizer):
+            found.setdefault(id(value), value)
+        elif depth > 4 or isinstance(value, (torch.Tensor, nn.Module, str, bytes, type, *_NOT_STATE)):
+            return
+        elif isinstance(value, Mapping):
+            for v in list(value.values()):
+                walk(v, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, depth + 1)
+        elif hasattr(value, "__dict__"):
+            for v in list(vars(value).values()):
+                walk(v, depth + 1)
+
+    walk(state, 0)
+    return list(found.values())
+
+
+def user_state_tensors(model: nn.Module, state: Any, sample: Any) -> dict[Category, dict[str, torch.Tensor]]:
+    """The tensors alive before a user's step, by category: ``state_tensors`` plus the gradients
+    a previous step left (``zero_grad(set_to_none=False)``, or zeroing at the start of the step),
+    the state of every optimizer in ``state`` (``optimizers_in``) and the other tensors ``state``
+    holds (an EMA copy's weights, a ``GradScaler``'s scale), counted as optimizer state."""
+    found = state_tensors(model, None, sample)
+    found[Category.GRADIENT] = {f"{name}.grad": p.grad for name, p in model.named_parameters() if p.grad is not None}
+    optimizers = optimizers_in(state)
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    states = found[Category.OPTIMIZER_STATE]
+    for i, opt in enumerate(optimizers):
+        prefix = f"optimizer{i}." if len(optimizers) > 1 else ""
+        for param, values in opt.state.items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    states[f"{prefix}{param_names.get(id(param), 'param')}.{key}"] = value
+    known = {id(t) for tensors in found.values() for t in tensors.values()}
+    states.update({name: t for name, t in _tensors_in({"state": state}, known).items()})
+    return found
 
 
 def _where(exc: BaseException) -> str:
@@ -387,6 +490,11 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
+def run_user(fn: StepFn, model: nn.Module, sample: Any, state: Any) -> Any:
+    """The user's step, ``fn(model, sample, state)``; returns what it returns."""
+    return fn(model, sample, state)
+
+
 def run(
     model,
     sample,
@@ -398,11 +506,13 @@ def run(
     scaler: torch.amp.GradScaler | None = None,
     strategy: Strategy = DEFAULT,
     batch_dims: tuple[int, ...] | None = None,
+    keep_output: bool = True,
 ):
     """Run the step of ``mode`` (the model already prepared; ``scaler`` from ``prepare``;
     ``batch_dims`` where accumulation splits the sample, see ``train_step``)."""
     if mode is Mode.TRAIN:
-        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy, batch_dims)
+        return train_step(model, sample, optimizer, loss_fn, on_phase, precision, scaler, strategy, batch_dims,
+                          keep_output)
     if strategy.accumulate > 1 or strategy.checkpoint is not None:
         raise InputError("gradient accumulation and activation checkpointing apply to mode='train' only")
     return inference_step(model, sample, on_phase, precision)
@@ -462,8 +572,16 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     Real memory of every step, as buffers are (what fxmem counts them as).
     """
     modules = dict(model.named_modules())
-    seen = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    seen |= {id(m) for m in modules.values()}
+    seen = {id(t) for t in [*model.parameters(), *model.buffers()]} | {id(m) for m in modules.values()}
+    return _tensors_in(modules, seen, module_tree=True)
+
+
+def _tensors_in(roots: dict[str, Any], seen: set[int], module_tree: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors reachable from ``roots`` (by path) through containers, object attributes and
+    modules, each once, skipping the ids in ``seen`` and optimizers (their state is named by
+    parameter).  ``module_tree``: the roots are the model's own modules, whose parameters,
+    buffers and submodules are known already (only their other attributes are walked)."""
+    seen = set(seen)
     found: dict[str, torch.Tensor] = {}
 
     def walk(value, path: str, depth: int) -> None:
@@ -474,7 +592,7 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             return
         if depth > 8 or id(value) in seen or isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
             return
-        if isinstance(value, _NOT_STATE):
+        if isinstance(value, (*_NOT_STATE, torch.optim.Optimizer)):
             return
         seen.add(id(value))
         if isinstance(value, dict):
@@ -501,6 +619,9 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             walk(v, f"{prefix}.{attr}" if prefix else attr, depth)
 
-    for prefix, module in modules.items():
-        attributes(module, prefix, 0)
+    for prefix, root in roots.items():
+        if module_tree:
+            attributes(root, prefix, 0)
+        else:
+            walk(root, prefix, 0)
     return found

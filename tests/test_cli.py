@@ -424,3 +424,159 @@ def test_model_spec_parsing():
     assert models.parse("timm:resnet50") == models.Spec("integration", "timm", "resnet50")
     assert models.parse("transformers:./configs/a:b") == models.Spec("integration", "transformers", "./configs/a:b")
     assert models.parse("C:/models/x.py:make") == models.Spec("file", "C:/models/x.py", "make")
+
+
+# --- the user's own step (--step, --optimizer FILE.py:FUNC) and --keep-output/--drop-output -----
+
+STEP_FILE = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    def train_step(model, sample, opt):  # for the zoo mlp: a dict sample {"x", "labels"}
+        loss = F.cross_entropy(model(sample["x"]), sample["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+    def make_state(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+    def make():
+        return Net(), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+
+
+    def net_step(model, sample, opt):
+        assert isinstance(model, Net), "the file was imported twice"  # make()'s class: one module
+        x, y = sample
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+    not_callable = 42
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def step_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fxmem_cli_step")
+    (path / "user_step.py").write_text(STEP_FILE)
+    (path / "broken_step.py").write_text("def train_step(model, sample, opt:\n    pass\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def user_step(step_dir) -> dict:
+    """The step file's functions, loaded independently of the CLI's loader."""
+    import runpy
+
+    return runpy.run_path(str(step_dir / "user_step.py"))
+
+
+def _cli_json(args: list[str]) -> dict:
+    result = CliRunner().invoke(cli, [*args, "--json", "-q"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+def _mlp(batch: int = 8):
+    model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
+    return model, make_sample(batch), loss_fn
+
+
+def test_step_flag_is_the_libraries_step(step_dir, user_step, mlp_report):
+    # the CLI's mlp (debug) at its default b = 8 and optimizer adamw, the step loaded from the file
+    model, sample, _ = _mlp()
+    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"])
+    data = _cli_json(["report", "mlp", "--step", f"{step_dir}/user_step.py:train_step"])
+    assert data["peak_bytes"] == rep.peak_bytes and data["peak"] == str(rep.peak)
+    assert data["optimizer"] == "adamw" and data["batch"] == 8
+    assert rep.peak_bytes != mlp_report.peak_bytes  # not the built-in step (no clipping, output kept)
+    formula_ = CliRunner().invoke(cli, ["formula", "mlp", "--step", f"{step_dir}/user_step.py:train_step", "-q"])
+    assert formula_.exit_code == 0 and formula_.stdout.strip() == str(rep.peak)
+
+
+def test_step_with_a_state_factory_from_a_file(step_dir, user_step):
+    # SGD with momentum: one buffer per parameter where AdamW keeps two
+    model, sample, _ = _mlp()
+    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"], optimizer=user_step["make_state"])
+    adamw = estimator.report(model, sample, batch=8, step=user_step["train_step"])
+    data = _cli_json(["report", "mlp", "--step", f"{step_dir}/user_step.py:train_step",
+                      "--optimizer", f"{step_dir}/user_step.py:make_state"])
+    assert data["peak_bytes"] == rep.peak_bytes and data["peak"] == str(rep.peak)
+    assert rep.peak_bytes < adamw.peak_bytes
+
+
+def test_step_beside_the_model_in_one_file(step_dir, user_step):
+    """MODEL and --step in the same file: the file is imported once (the step checks make()'s class)."""
+    model, sample = user_step["make"]()
+    rep = estimator.report(model, sample, step=user_step["net_step"])
+    spec = f"{step_dir}/user_step.py"
+    data = _cli_json(["report", f"{spec}:make", "--step", f"{spec}:net_step"])
+    assert data["peak_bytes"] == rep.peak_bytes and data["batch"] == 4
+
+
+def test_keep_and_drop_output_reach_the_report(mlp_report):
+    model, sample, loss_fn = _mlp()
+    dropped = estimator.report(model, sample, batch=8, loss_fn=loss_fn, keep_output=False)
+    assert _cli_json(["report", "mlp", "--drop-output"])["peak_bytes"] == dropped.peak_bytes
+    assert _cli_json(["report", "mlp", "--keep-output"])["peak_bytes"] == mlp_report.peak_bytes  # the default
+    assert dropped.peak_bytes < mlp_report.peak_bytes
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--step", "{dir}/nope.py:train_step"], "--step: no such file: '{dir}/nope.py'"),
+    (["--step", "{dir}/user_step.py:trian_step"],
+     "--step: {dir}/user_step.py has no 'trian_step'. Did you mean {dir}/user_step.py:train_step?"),
+    (["--step", "{dir}/user_step.py:not_callable"],
+     "--step: {dir}/user_step.py:not_callable is a int, not a function step(model, sample, state)"),
+    (["--step", "{dir}/broken_step.py:train_step"], "--step: importing {dir}/broken_step.py failed: SyntaxError"),
+    (["--step", "{dir}/user_step.py"], "--step: name the function in '{dir}/user_step.py'"),
+    (["--step", "{dir}/user_step.py:train_step", "--optimizer", "{dir}/user_step.py:make_stat"],
+     "--optimizer: {dir}/user_step.py has no 'make_stat'. Did you mean {dir}/user_step.py:make_state?"),
+    # the library's refusals: what shapes the built-in step does not apply to the user's
+    (["--step", "{dir}/user_step.py:train_step", "--drop-output"], "keep_output shapes the built-in step"),
+    (["--step", "{dir}/user_step.py:train_step", "--amp", "bf16"], "amp shapes the built-in step"),
+    (["--step", "{dir}/user_step.py:train_step", "--dp", "2"], "cannot combine with step="),
+])
+def test_bad_step_flags_are_one_line_input_errors(step_dir, args, message):
+    result = CliRunner().invoke(cli, ["report", "mlp", *[a.replace("{dir}", str(step_dir)) for a in args], "-q"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.startswith("fxmem: error: ") and result.stderr.count("\n") == 1
+    assert message.replace("{dir}", str(step_dir)) in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("command", [["compare", "mlp"], ["plan", "mlp", "--budget", "1MiB"]])
+def test_compare_and_plan_refuse_a_step(step_dir, command):
+    result = CliRunner().invoke(cli, [*command, "--step", f"{step_dir}/user_step.py:train_step", "-q"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr == (
+        f"fxmem: error: --step: fxmem {command[0]} weighs strategies that transform the built-in step (accumulation, "
+        "AMP, DDP, ZeRO, pipeline), which cannot combine with your own step; estimate your step with fxmem report "
+        "MODEL --step FILE.py:FUNC (--checkpoint MODULES applies to it)\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["report", "formula", "fit", "compare", "plan"])
+def test_step_options_in_help(command):
+    out = CliRunner().invoke(cli, [command, "--help"]).output
+    offered = command in ("report", "formula", "fit")  # compare / plan: --step hidden (refused, with the reason)
+    assert ("--step FILE.py:FUNC" in out) == offered
+    assert ("--keep-output / --drop-output" in out) == offered

@@ -8,6 +8,7 @@ the allocation deltas during the step.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from estimator import step
 from estimator.categories import Mode
+from estimator.strategy import checkpointing
 from validators.steady import skipped, warm_up
 
 
@@ -74,6 +76,7 @@ def measure_cpu(
     grad_scaler: bool | None = None,
     strategy=None,
     before: Callable[[torch.nn.Module, Any], None] | None = None,
+    keep_output: bool = True,
 ) -> Measurement:
     """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
 
@@ -84,6 +87,7 @@ def measure_cpu(
     ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing, autocast,
     fp32 master weights).  ``before(model, mode)`` runs after the warm-up, just before the measured
     step (``validators.zoo`` reads the data-dependent sizes of the measured step there).
+    ``keep_output``: as in ``estimator.report``.
     """
     strategy = strategy or step.DEFAULT
     if strategy.master_weights:
@@ -96,13 +100,52 @@ def measure_cpu(
     baseline = baseline_bytes(model, opt, sample, scaler)
     scale = None if scaler is None else scaler.get_scale()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy)
+        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy,
+                          keep_output=keep_output)
     del result
     if skipped(scaler, scale, opt):
         raise RuntimeError("the measured step's GradScaler found inf/nan gradients and skipped optimizer.step()")
+    return _measurement(baseline, _allocation_deltas(prof))
+
+
+def _measurement(baseline: int, deltas: list[tuple[int, int]]) -> Measurement:
+    """``baseline`` plus the largest running sum of the step's allocator ``deltas``."""
     running = peak = 0
-    deltas = _allocation_deltas(prof)
     for _, delta in deltas:
         running += delta
         peak = max(peak, running)
     return Measurement(baseline + peak, baseline, peak, len(deltas))
+
+
+def measure_user_step(
+    model: torch.nn.Module,
+    sample: Any,
+    fn: step.StepFn,
+    optimizer: str | step.StateFactory | None = "adamw",
+    mode: Mode | str = Mode.TRAIN,
+    strategy=None,
+) -> Measurement:
+    """A user's own step (``report(step=fn)``) measured: the state built from the model
+    (``step.state_factory(optimizer)``), one unmeasured step, then the measured one.
+
+    The bytes alive when the measured step starts are measured too, not listed: the model's
+    parameters, buffers and held tensors and the sample, plus the net allocator delta of building
+    the state and running the first step (whatever the step keeps: optimizer state, gradients it
+    does not free, an EMA copy).  ``strategy``: ``Strategy(checkpoint=...)`` only."""
+    mode = Mode(mode)
+    strategy = strategy or step.DEFAULT
+    factory = step.state_factory(optimizer) if mode is Mode.TRAIN else None
+    before = baseline_bytes(model, None, sample)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as setup:
+        state = step.user_state(model, mode, factory)
+        with checkpointing(model, strategy):
+            result = step.run_user(fn, model, sample, state)
+        del result
+        gc.collect()
+    kept = sum(delta for _, delta in _allocation_deltas(setup))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with checkpointing(model, strategy):
+            result = step.run_user(fn, model, sample, state)
+        del result
+    return _measurement(before + kept, _allocation_deltas(prof))

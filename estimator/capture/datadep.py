@@ -137,6 +137,9 @@ class _Sites:
         self._names = module_names
         self._stack: list[tuple[str, dict[str, int]]] = [("", {})]
 
+    def restart(self) -> None:
+        self._stack = [("", {})]
+
     def key(self, op: str) -> str:
         module, counts = self._stack[-1]
         k = counts.get(op, 0)
@@ -193,6 +196,12 @@ class DataDependent(TorchDispatchMode):
         self._nnz = _PerStorage()  # a mask (storage, offset, version, shape) -> its n
         self._budget = _PerStorage()  # a one-hot tensor (or a copy of part of it) -> [ones left]
         self._distinct = _PerStorage()  # arange outputs (distinct values) -> True
+        self.assumed: dict[str, None] = {}  # floating-point values answered with 0.0 (by site)
+
+    def new_step(self) -> None:
+        """The measured step starts: the sites of calls outside any module count from 0 again, as in
+        the probe's single run (a user's step calls ``loss.item()`` in the warm-up step too)."""
+        self._sites.restart()
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -257,9 +266,14 @@ class DataDependent(TorchDispatchMode):
         return n
 
     def value(self, func, args):
+        """A data-dependent scalar: the probe's, else 0.0 for a floating-point one (a logged loss or
+        gradient norm: memory does not depend on it, noted), else ``NeedsProbe``."""
         key = self._sites.key(f"{_short(func)}@{_user_line()}")
         if key in self.policy.values:
             return self.policy.values[key]
+        if args[0].is_floating_point():
+            self.assumed[key] = None
+            return 0.0
         raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
 
 
@@ -575,8 +589,9 @@ def _hooks_off(model: nn.Module):
             getattr(m, name).update(hooks)
 
 
-def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
-    """Run ``forward()`` (the model's forward and loss on the real sample, no grad) recording the
+def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False) -> Probe:
+    """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
+    user's whole step) recording the
     data-dependent sizes and values; the model's buffers and the RNG come back as they were, and
     the model's own forward hooks do not run (they would see real tensors the user's code keeps:
     a hook that changes a module's output changes what the probe sees, a limitation)."""
@@ -588,13 +603,24 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any]) -> Probe:
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     recorder = Probe(names)
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _hooks_off(model), recorder._sites.hooks(), recorder:
+        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), _hooks_off(model), \
+                recorder._sites.hooks(), recorder:
             forward()
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(saved[name])
     return recorder
+
+
+def assumed_note(keys) -> tuple[str, ...]:
+    """The note on floating-point values the capture answered with 0.0."""
+    if not keys:
+        return ()
+    where = ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
+    return (f"{len(keys)} floating-point value(s) read with .item()/float() (at {where}) were taken as 0.0: "
+            "fake tensors have no values; memory does not depend on a value that is logged or compared, but a "
+            "step that branches on it may allocate otherwise",)
 
 
 def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:

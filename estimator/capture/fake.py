@@ -21,6 +21,7 @@ an input -- one whose batch dimension has the sample's batch size follows ``b``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -76,10 +77,11 @@ def _is_scalar(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or not (t.is_floating_point() or t.is_complex())
 
 
-def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` whose tensors are fake CPU tensors (shared tensors stay shared),
-    and whose hooks are the user's hooks, copied (``_isolate_hooks``)."""
-    memo: dict[int, Any] = {}
+    and whose hooks are the user's hooks, copied (``_isolate_hooks``).  ``memo`` (filled): the
+    user's objects by id -> their copies (for ``isolated``)."""
+    memo = {} if memo is None else memo
     state = step.state_tensors(model, None, ())
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
@@ -134,15 +136,18 @@ def _isolate_hooks(model: nn.Module, memo: dict[int, Any]) -> None:
             if not hooks:
                 continue
             for key, hook in list(hooks.items()):
-                hooks[key] = _isolated(hook, memo)
+                hooks[key] = isolated(hook, memo)
 
 
-def _isolated(hook, memo: dict[int, Any]):
+def isolated(hook, memo: dict[int, Any]):
+    """A copy of the function ``hook`` whose closure cells, defaults and the globals it names that
+    are containers are copies, the objects in ``memo`` (the model's) mapped to their copies
+    (``_containers``); a bound method's object mapped too; a callable object as it is."""
     if isinstance(hook, functools.partial):
-        return functools.partial(_isolated(hook.func, memo), *_containers(hook.args, memo),
+        return functools.partial(isolated(hook.func, memo), *_containers(hook.args, memo),
                                  **_containers(hook.keywords, memo))
     if isinstance(hook, types.MethodType):
-        return types.MethodType(_isolated(hook.__func__, memo), memo.get(id(hook.__self__), hook.__self__))
+        return types.MethodType(isolated(hook.__func__, memo), memo.get(id(hook.__self__), hook.__self__))
     if not isinstance(hook, types.FunctionType):
         return hook  # a callable object: deep-copied with the model already
     if id(hook) in memo:
@@ -459,3 +464,33 @@ def _describe(t: torch.Tensor) -> str:
 
 def _first(items: list[str], n: int = 8) -> str:
     return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
+
+
+@contextlib.contextmanager
+def deep_copies_in_mode():
+    """``copy.deepcopy`` of a fake tensor, for the block: a clone in the tensor's own fake mode
+    (what a user's step gets from ``copy.deepcopy(model)`` or ``torch.optim.swa_utils.AveragedModel``:
+    an EMA copy of the fake model).  Torch's own path copies the storage and rebuilds the tensor
+    in a new fake mode, which the next op refuses ("Mixing fake modes").  The clone is a new
+    storage, as the real deep copy is; ``requires_grad`` and the parameter flag are kept."""
+    saved = FakeTensor.__dict__.get("__deepcopy__")
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            with self.fake_mode:
+                new = self.detach().clone()
+            if isinstance(self, nn.Parameter) or getattr(self, "_is_param", False):
+                new = nn.Parameter(new, requires_grad=self.requires_grad)
+            else:
+                new.requires_grad_(self.requires_grad)
+            memo[id(self)] = new
+        return memo[id(self)]
+
+    FakeTensor.__deepcopy__ = __deepcopy__
+    try:
+        yield
+    finally:
+        if saved is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = saved

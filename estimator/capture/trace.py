@@ -8,8 +8,10 @@ runs it at several sizes and fits, see ``estimator.estimate``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import traceback
@@ -20,19 +22,21 @@ from typing import Any
 import sympy
 import torch
 from torch import fx, nn
+from torch.optim import optimizer as torch_optimizer
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import corrections, custom_ops, step
 from estimator.capture import datadep
-from estimator.capture.fake import RealTensors, fake_model, fake_sample, held_note, sample_rows
+from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
+                                    sample_rows)
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
-from estimator.strategy import DEFAULT, Strategy
+from estimator.strategy import DEFAULT, Strategy, checkpointing
 from estimator.symbolic import B, NotPolynomial, Poly, S
 from estimator.target import cpu as cpu_target
 from estimator.target.spec import TargetSpec
@@ -52,6 +56,8 @@ class StepSpec:
     strategy: Strategy = DEFAULT
     data_dependent: datadep.Policy = field(default_factory=datadep.Policy)  # sizes fake tensors cannot know
     batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
+    keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
+    step: step.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class RawCapture:
     rounded: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
     data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
+    freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -110,7 +117,8 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
 
 def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
     """``spec``'s policy with the sizes and values of one real forward and loss on ``sample``
-    (the model's train/eval state, buffers and the RNG restored)."""
+    (the model's train/eval state, buffers and the RNG restored); for a user's step, one real
+    run of that step on a copy of the model (its optimizer step must not change the user's)."""
     training = model.training
     model.train(spec.mode is Mode.TRAIN)
 
@@ -120,9 +128,20 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
             if spec.mode is Mode.TRAIN:
                 spec.loss_fn(out, sample)
 
+    target = model
+    if spec.step is not None:
+        memo: dict[int, Any] = {}
+        target = copy.deepcopy(model, memo)
+        fn = isolated(spec.step, memo)
+        state = step.user_state(target, spec.mode, spec.optimizer)
+
+        def forward():
+            with checkpointing(target, spec.strategy):
+                step.run_user(fn, target, sample, state)
+
     try:
         with _errors_named(False):
-            found = datadep.probe(model, sample, forward)
+            found = datadep.probe(target, sample, forward, grad=spec.step is not None)
     finally:
         model.train(training)
     return dataclasses.replace(spec.data_dependent, observed=found.sizes, values=found.values)
@@ -154,7 +173,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
             micro += 1
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
-    fmodel = fake_model(model, mode)
+    memo: dict[int, Any] = {}  # the user's objects -> their fake copies
+    fmodel = fake_model(model, mode, memo)
     dims = spec.batch_dims
     fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None, dims), k, dims)
     batch_symbols = _batch_symbols(fsample, dims)
@@ -180,31 +200,34 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     rng_states = _fake_rng_state() if spec.strategy.checkpoint is not None and not spec.target.is_cuda \
         else contextlib.nullcontext()
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
-    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states:
+    user = spec.step is not None
+    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec):
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
-        optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
-        corrections.apply_optimizer_rules(spec.target, optimizer)
-        with real_tensors(batch, False, 1):  # a lazy model's first step: a static sample of `batch` rows
-            _warm_up(fmodel, optimizer, scaler)
-        on_host = _host_state(spec, optimizer)
-        for category, tensors in step.state_tensors(fmodel, optimizer, fsample, scaler).items():
-            tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
-        _name_owners(tracker, fmodel, optimizer)
+        if user:
+            warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
+        else:
+            warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
+        run_step, optimizers = warm.run_step, warm.optimizers
+        _register_state(tracker, warm.state, warm.kept, _host_state(spec, optimizers))
+        warm.state, warm.kept = {}, []  # the step alone decides what stays alive (zero_grad() frees the gradients)
+        _name_owners(tracker, fmodel, optimizers)
         before = _model_state(fmodel)
-        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker):
-            result = step.run(
-                fmodel, fsample, spec.mode, optimizer, spec.loss_fn, _on_phase(tracker, fmodel), spec.precision, scaler,
-                spec.strategy, dims,
-            )
+        phases = _phases(tracker, fmodel) if user else contextlib.nullcontext()
+        dd.new_step()
+        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker), phases:
+            result = run_step(_on_phase(tracker, fmodel))
         tracker.flush()
         after = _model_state(fmodel)
-        _label_storages(tracker, fmodel, optimizer, Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD)
-        _drop_state_without_grad(tracker, optimizer)
-        graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
-        del result
+        end = tracker.phase if user else Phase.OPTIMIZER if spec.mode is Mode.TRAIN else Phase.FORWARD
+        _label_storages(tracker, fmodel, optimizers, end)
+        if not user:  # a user's warm-up step created state only where a real first step does
+            _drop_state_without_grad(tracker, optimizers, warm.constructed)
+        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        graph = tracker.recorder.finish(outputs)
+        del result, outputs
 
     def grown() -> tuple[str, ...]:  # last: its extra step must not add guards to what was read
-        return _growth_note(fmodel, fsample, spec, optimizer, scaler, mode, real, before, after, micro)
+        return _growth_note(fmodel, run_step, mode, real, before, after, micro)
 
     unknown = set(spec.data_dependent.sites) - set(dd.sites)
     if unknown:
@@ -214,14 +237,15 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         _symbol_range(shape_env, batch_symbols[0], "batch size", SymbolicCaptureFailed)
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
-    notes += held_note(model) + real.notes()
+    notes += held_note(model) + real.notes() + warm.notes + datadep.assumed_note(dd.assumed)
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
-                          notes=notes + datadep.notes(sites) + grown(), data_dependent=sites)
+                          notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
+                          freed_first=tuple(tracker.freed_first))
     raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     return raw
@@ -291,6 +315,46 @@ def _full_batch(fsample, k: int, batch_dims: tuple[int, ...] | None = None):
     return tree_unflatten([repeat(t, d) if isinstance(t, torch.Tensor) else t for t, d in zip(leaves, dims)], tree)
 
 
+@dataclass
+class _WarmedUp:
+    """A step at its steady state: ``run_step(on_phase)`` runs it; ``state`` the tensors alive
+    before it by category; ``kept`` the storages a user's step keeps that no tensor names;
+    ``constructed`` the ids of the parameters the optimizer gave state when constructed."""
+
+    run_step: Any
+    optimizers: list
+    state: dict
+    kept: list = field(default_factory=list)
+    constructed: set[int] = field(default_factory=set)
+    notes: tuple[str, ...] = ()
+
+
+def _register_state(tracker: Tracker, state: dict, kept: list, on_host: set[int]) -> None:
+    """The tensors alive before the step, by category (but those the target keeps in host
+    memory), and the storages a user's step keeps that no tensor names (as optimizer state)."""
+    for category, tensors in state.items():
+        tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
+    tracker.register_storages(kept, Category.OPTIMIZER_STATE)
+
+
+def _built_in_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, real: RealTensors):
+    """Build the built-in step's optimizer (and ``GradScaler``) and reach its steady state
+    (``_warm_up``)."""
+    optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
+    corrections.apply_optimizer_rules(spec.target, optimizer)
+    constructed = set() if optimizer is None else {id(p) for p, values in optimizer.state.items() if values}
+    with real:  # a lazy model's first step: a static sample of the batch's rows
+        _warm_up(fmodel, optimizer, scaler)
+
+    def run_step(on_phase=lambda phase: None):
+        return step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, on_phase, spec.precision, scaler,
+                        spec.strategy, spec.batch_dims, spec.keep_output)
+
+    optimizers = [] if optimizer is None else [optimizer]
+    return _WarmedUp(run_step, optimizers, step.state_tensors(fmodel, optimizer, fsample, scaler),
+                     constructed=constructed)
+
+
 def _warm_up(model: nn.Module, optimizer, scaler) -> None:
     """Reach the steady state the measured step starts from.
 
@@ -308,12 +372,117 @@ def _warm_up(model: nn.Module, optimizer, scaler) -> None:
         step.optimizer_step(optimizer, scaler)
 
 
-def _host_state(spec: StepSpec, optimizer) -> set[int]:
+def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: RealTensors,
+                  module_names: dict[int, str]):
+    """Build the state the user's step is handed (``spec.optimizer(model)``) and run the step once,
+    unrecorded: the steady state, whatever the step keeps between steps (optimizer state,
+    gradients it does not set to None, an EMA copy, a list it appends to).  The step function is
+    a copy whose closure and global containers are copies, the model it names the fake one
+    (``fake.isolated``).  ``state``: ``step.user_state_tensors``; ``kept``: the other storages the
+    setup and the warm-up step left alive (held by the step's code)."""
+    fn = isolated(spec.step, memo)
+    births = Tracker(module_names, spec.target)  # every storage the setup and the warm-up create
+    with births, real:
+        user_state = step.user_state(fmodel, spec.mode, spec.optimizer)
+        optimizers = step.optimizers_in(user_state)
+        for optimizer in optimizers:
+            corrections.apply_optimizer_rules(spec.target, optimizer)
+        with checkpointing(fmodel, spec.strategy):
+            result = step.run_user(fn, fmodel, fsample, user_state)
+        del result
+    gc.collect()
+    state = step.user_state_tensors(fmodel, user_state, fsample)
+    known = {t.untyped_storage()._cdata for tensors in state.values() for t in tensors.values()}
+    kept = [s for s in births.alive_storages() if s._cdata not in known]
+
+    notes = ()
+    if kept:
+        notes = (f"your step keeps {len(kept)} tensor(s) alive between steps besides the model, the gradients and "
+                 "what its state holds (a list it appends to, a cache, a closure's tensors): "
+                 f"{sum(_hint(s.nbytes()) for s in kept):,} B at the capture's batch, counted as optimizer state",)
+
+    def run_step(on_phase=lambda phase: None):  # the phases are found as the step runs (_phases)
+        with checkpointing(fmodel, spec.strategy):
+            return step.run_user(fn, fmodel, fsample, user_state)
+
+    return _WarmedUp(run_step, optimizers, state, kept, notes=notes)
+
+
+@contextlib.contextmanager
+def _user_step_context(spec: StepSpec):
+    """While a user's step is captured: its ``GradScaler`` assumes finite gradients on fake
+    tensors (``step.finite_gradients``), a deep copy of the fake model (an EMA copy) stays in the
+    capture's fake mode (``deep_copies_in_mode``), and on the CUDA target its
+    ``torch.autocast("cuda")`` regions autocast the fake CPU tensors with CUDA's op lists
+    (``cuda_autocast.device_autocast``)."""
+    if spec.step is None:
+        yield
+        return
+    with step.finite_gradients(), deep_copies_in_mode(), (
+            cuda_autocast.device_autocast() if spec.target.is_cuda else contextlib.nullcontext()):
+        yield
+
+
+@contextlib.contextmanager
+def _phases(tracker: Tracker, model: nn.Module):
+    """The phases of a user's step, found as it runs: ops inside ``backward()`` /
+    ``torch.autograd.grad`` (the autograd engine running) are the backward, ops inside an
+    ``optimizer.step()`` the optimizer step; after a backward, ops outside any module call
+    (gradient clipping, an EMA update) belong to the optimizer phase, until a module is called
+    again (the next forward).  Each change labels what the phase left behind, as the built-in
+    step's callbacks do."""
+    on_phase = _on_phase(tracker, model)
+    depth = [0, 0]  # backward calls, optimizer steps in progress
+
+    def backward(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapped
+
+    def now() -> Phase:
+        if depth[0] or torch._C._current_graph_task_id() != -1:
+            return Phase.BACKWARD
+        if depth[1]:
+            return Phase.OPTIMIZER
+        if tracker.phase is Phase.FORWARD or tracker.in_module():
+            return Phase.FORWARD
+        return Phase.OPTIMIZER
+
+    def update() -> None:
+        phase = now()
+        if phase is not tracker.phase:
+            on_phase(phase)
+
+    def enter(*_):
+        depth[1] += 1
+
+    def leave(*_):
+        depth[1] -= 1
+
+    saved = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
+    torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = map(backward, saved)
+    handles = [torch_optimizer.register_optimizer_step_pre_hook(enter),
+               torch_optimizer.register_optimizer_step_post_hook(leave)]
+    tracker.before_op = update
+    try:
+        yield
+    finally:
+        tracker.before_op = None
+        torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad = saved
+        for handle in handles:
+            handle.remove()
+
+
+def _host_state(spec: StepSpec, optimizers: list) -> set[int]:
     """ids of the optimizer state tensors the target keeps in host memory (not counted)."""
-    if optimizer is None:
-        return set()
     return {
         id(value)
+        for optimizer in optimizers
         for group in optimizer.param_groups
         for p in group["params"]
         for key, value in optimizer.state.get(p, {}).items()
@@ -452,7 +621,8 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
 
     sites = tuple(dataclasses.replace(site, upper=in_b(site.upper), used=in_b(site.used)) for site in sites)
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None,
-                      rounded=tuple(dict.fromkeys(rounded)), data_dependent=sites)
+                      rounded=tuple(dict.fromkeys(rounded)), data_dependent=sites,
+                      freed_first=tuple(tracker.freed_first))
 
 
 def _integer_in_micro(expr, k: int) -> bool:
@@ -473,10 +643,10 @@ def _on_phase(tracker: Tracker, model: nn.Module):
     return on_phase
 
 
-def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: Phase) -> None:
+def _label_storages(tracker: Tracker, model: nn.Module, optimizers, phase_ended: Phase) -> None:
     """Name what a phase leaves behind: forward allocations still alive when it ends are
     activations (saved for backward, and the outputs); grads alive after backward are
-    gradients; tensors in the optimizer's state are optimizer state."""
+    gradients; tensors in the optimizers' state are optimizer state."""
     if phase_ended is Phase.FORWARD:
         for key in tracker.alive_keys():
             storage = tracker.storages[key]
@@ -490,27 +660,29 @@ def _label_storages(tracker: Tracker, model: nn.Module, optimizer, phase_ended: 
                 tracker.params_with_grad.add(id(p))
                 _relabel(tracker, p.grad, Category.GRADIENT)
                 _own(tracker, p.grad, name)
-    if optimizer is not None:
+    for optimizer in optimizers or ():
         for state in optimizer.state.values():
             for t in tree_flatten(state)[0]:
                 if isinstance(t, torch.Tensor):
                     _relabel(tracker, t, Category.OPTIMIZER_STATE)
 
 
-def _drop_state_without_grad(tracker: Tracker, optimizer) -> None:
+def _drop_state_without_grad(tracker: Tracker, optimizers: list, constructed: set[int]) -> None:
     """The warm-up gave every trainable parameter a (zero) gradient, so each has optimizer
     state; a real run creates none for a parameter that no loss reaches (``_init_group`` skips
-    ``p.grad is None``: an unused pooler, a frozen branch).  Such state is not counted."""
-    if optimizer is None or tracker.params_with_grad is None:
+    ``p.grad is None``: an unused pooler, a frozen branch).  Such state is not counted -- unless
+    the optimizer created it when constructed (Adagrad: every parameter it is given has state)."""
+    if tracker.params_with_grad is None:
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in tracker.params_with_grad:
-                continue
-            for value in optimizer.state.get(p, {}).values():
-                key = tracker.key_of(value) if isinstance(value, torch.Tensor) else None
-                if key is not None and tracker.storages[key].op < 0:
-                    del tracker.storages[key]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in tracker.params_with_grad or id(p) in constructed:
+                    continue
+                for value in optimizer.state.get(p, {}).values():
+                    key = tracker.key_of(value) if isinstance(value, torch.Tensor) else None
+                    if key is not None and tracker.storages[key].op < 0:
+                        del tracker.storages[key]
 
 
 def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
@@ -519,13 +691,13 @@ def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
         tracker.storages[key].category = category
 
 
-def _name_owners(tracker: Tracker, model: nn.Module, optimizer) -> None:
+def _name_owners(tracker: Tracker, model: nn.Module, optimizers: list) -> None:
     """``Storage.owner``: the parameter name of each parameter storage and of its optimizer
     state (gradients are named when backward ends): what sharding and pipeline stages divide by
     parameter."""
     for name, p in model.named_parameters():
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        for t in [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]:
+        states = [optimizer.state.get(p, {}) for optimizer in optimizers]
+        for t in [p, *(v for state in states for v in state.values() if isinstance(v, torch.Tensor))]:
             _own(tracker, t, name)
 
 
@@ -579,19 +751,18 @@ def _hint(value) -> int:
     return int(value)
 
 
-def _growth_note(model: nn.Module, sample, spec: StepSpec, optimizer, scaler, mode: FakeTensorMode,
-                 real: RealTensors, before: dict[str, int], after: dict[str, int], batch: int) -> tuple[str, ...]:
+def _growth_note(model: nn.Module, run_step, mode: FakeTensorMode, real: RealTensors, before: dict[str, int],
+                 after: dict[str, int], batch: int) -> tuple[str, ...]:
     """A note when the model holds more after each step than before it (a buffer or a list of
     tensors appended to in ``forward``): no steady state.  The measured step was the fake
     model's first, so state it created once (a cache) also looks like growth: only then is one
-    more step run (not recorded) to see whether it grows again."""
+    more step (``run_step()``) run, not recorded, to see whether it grows again."""
     if sum(after.values()) <= sum(before.values()):
         return ()
     real.tracker = None  # the capture is over: tensors met now are not memory of the step
     try:
         with mode, real:
-            result = step.run(model, sample, spec.mode, optimizer, spec.loss_fn, precision=spec.precision,
-                              scaler=scaler, strategy=spec.strategy, batch_dims=spec.batch_dims)
+            result = run_step()
             del result
     except Exception:  # the step cannot be repeated without the capture's modes: cannot tell
         return ()

@@ -77,6 +77,8 @@ class Tracker(TorchDispatchMode):
         self._module_of_seq: dict[int, str] = {}  # autograd sequence nr -> module (for backward)
         self.recorder = GraphRecorder()
         self.params_with_grad: set[int] | None = None  # ids of the parameters backward gave a grad
+        self.freed_first: list[int] = []  # state freed before the step's first op
+        self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
 
     # -- state alive before the step -------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor], category: Category) -> None:
@@ -84,6 +86,15 @@ class Tracker(TorchDispatchMode):
         for name, t in tensors.items():
             self.recorder.name(t, name)
             self._track(t.untyped_storage(), category, -1)
+
+    def register_storages(self, storages: list[torch.UntypedStorage], category: Category) -> None:
+        """State alive before the step that no tensor names (what a user's step keeps)."""
+        for storage in storages:
+            self._track(storage, category, -1)
+
+    def alive_storages(self) -> list[torch.UntypedStorage]:
+        """The storages this tracker saw allocated that are still alive."""
+        return [s for s in (ref() for _, ref in self._alive.values()) if s is not None]
 
     def _track(self, storage: torch.UntypedStorage, category: Category, op: int, extra: Any = 0) -> int | None:
         """Start tracking ``storage``; its key, or None if it is tracked already."""
@@ -109,9 +120,12 @@ class Tracker(TorchDispatchMode):
         return {key for key, _ in self._alive.values()}
 
     def flush(self) -> None:
-        """Attach frees seen since the last op to it (call when the step ends)."""
+        """Attach frees seen since the last op to it (call when the step ends); frees before the
+        first op (a user's step that starts with ``zero_grad()``) go to ``freed_first``."""
         if self.ops:
             self.ops[-1].frees += self._pending_frees
+        else:
+            self.freed_first += self._pending_frees
         self._pending_frees = []
 
     # -- module paths -------------------------------------------------------------------
@@ -121,6 +135,10 @@ class Tracker(TorchDispatchMode):
     def exit_module(self, module: torch.nn.Module) -> None:
         if self._module_stack:
             self._module_stack.pop()
+
+    def in_module(self) -> bool:
+        """Whether a module's forward is running."""
+        return bool(self._module_stack)
 
     def _current_module(self) -> str:
         if self.phase is Phase.BACKWARD:
@@ -137,6 +155,8 @@ class Tracker(TorchDispatchMode):
         out = (kernel or func)(*args, **kwargs)
         if func in _SKIP:
             return out
+        if self.before_op is not None:
+            self.before_op()
         self.flush()
         module = self._current_module()
         if self.phase is Phase.FORWARD and torch.is_grad_enabled():

@@ -17,7 +17,10 @@ differently lives here, in one registry, with three kinds of entries:
 - ``fast_path(fn, targets=...)``: Python functions of torch (the ``nn.MultiheadAttention`` /
   ``nn.TransformerEncoder(Layer)`` forwards) whose fast-path check
   ``torch.overrides.has_torch_function(tensor_args)`` must answer for the capture's fake tensors
-  what it answers for the real ones (``fast_path_checks``, below).
+  what it answers for the real ones (``fast_path_checks``, below);
+- ``foreach_support(fn, targets=...)``: Python functions of torch whose foreach check
+  ``_has_foreach_support(tensors, device)`` (a plain-tensor type test) must answer for the
+  capture's fake tensors what it answers for the real ones (``clip_grad_norm_`` and friends).
 
 A second registration of the same (target, op) raises (``withdraw`` removes one: only for a
 user's own declarations, ``estimator.register_op``, which are entries of this registry too).
@@ -50,6 +53,7 @@ comparison would add a shape guard).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -57,6 +61,9 @@ from typing import Any
 
 import sympy
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _foreach_utils
 
 from estimator.categories import Target
 from estimator.symbolic import as_expr
@@ -229,12 +236,71 @@ def _has_torch_function(args) -> bool:
     return _HAS_TORCH_FUNCTION(args)
 
 
+_FOREACH_CHECKS: dict[Target, set] = {}  # target -> code objects of the registered functions
+_FOREACH_NAME = "_has_foreach_support"  # the name torch's callers import it under
+_HAS_FOREACH_SUPPORT = _foreach_utils._has_foreach_support
+_FOREACH_MODULES: list[dict] = []  # the globals of the registered functions' modules
+
+
+def foreach_support(*functions, targets: Iterable[Target]) -> None:
+    """Register Python functions of torch whose foreach check ``_has_foreach_support(tensors,
+    device)`` (torch/utils/_foreach_utils.py) must answer, while capturing for ``targets``, what
+    it answers for the real tensors the fake ones stand for.
+
+    The check is ``type(t) in _foreach_supported_types`` (``[torch.Tensor]``, plus the subclasses
+    that append themselves, DTensor): false for every FakeTensor, so with ``foreach=None`` the
+    capture took the per-tensor loops of ``clip_grad_norm_`` / ``clip_grad_value_``
+    (torch/nn/utils/clip_grad.py) where real CPU and CUDA gradients take ``_foreach_norm``,
+    ``_foreach_mul_`` and ``_foreach_clamp_min_/max_``.  Inside the registered functions a
+    FakeTensor is taken for the tensor it stands for: a parameter (``_is_param``) for an
+    ``nn.Parameter``, else a plain ``torch.Tensor`` (so is a type marked ``_fxmem_plain_tensor``);
+    the device check (``_device_has_foreach_support``: cpu and cuda both pass) and an explicit
+    ``foreach=`` are torch's own.  The callers import the function by name, so the name is
+    rebound in the registered functions' modules from the capture mode's first entry to its
+    last exit (``fast_path_checks_enter``); elsewhere it answers as torch does."""
+    for fn in functions:
+        code = inspect.unwrap(fn).__code__
+        module = inspect.unwrap(fn).__globals__
+        if module.get(_FOREACH_NAME) is not _HAS_FOREACH_SUPPORT:
+            raise ValueError(f"{fn.__qualname__} does not call torch.utils._foreach_utils.{_FOREACH_NAME}")
+        for target in _targets(targets):
+            _FOREACH_CHECKS.setdefault(target, set()).add(code)
+        if not any(m is module for m in _FOREACH_MODULES):
+            _FOREACH_MODULES.append(module)
+
+
+def _stands_for(t) -> type:
+    """The type of the real tensor a capture's tensor stands for."""
+    cls = type(t)
+    if cls is FakeTensor:
+        return nn.Parameter if isinstance(t, nn.Parameter) else torch.Tensor
+    return torch.Tensor if getattr(cls, "_fxmem_plain_tensor", False) else cls
+
+
+def _has_foreach_support(tensors, device) -> bool:
+    """``_has_foreach_support`` while a capture's mode is entered: the real tensors' answer
+    inside the registered functions, torch's own everywhere else."""
+    if _CHECKS and sys._getframe(1).f_code in _FOREACH_CHECKS.get(_CHECKS[-1], ()):
+        supported = _foreach_utils._foreach_supported_types
+        return _foreach_utils._device_has_foreach_support(device) and all(
+            t is None or _stands_for(t) in supported for t in tensors
+        )
+    return _HAS_FOREACH_SUPPORT(tensors, device)
+
+
+def _bind_foreach_checks(fn) -> None:
+    for module in _FOREACH_MODULES:
+        module[_FOREACH_NAME] = fn
+
+
 def fast_path_checks_enter(target: Target) -> None:
     """Called by the capture's substitution mode when it is entered (``mode.Substitutions``):
     from the first entry to the matching exit, ``torch.overrides.has_torch_function`` is
-    ``_has_torch_function``.  Outside a capture it stays torch's own function."""
+    ``_has_torch_function`` and the foreach checks of ``foreach_support``'s functions are
+    ``_has_foreach_support``.  Outside a capture both stay torch's own functions."""
     if not _CHECKS:
         torch.overrides.has_torch_function = _has_torch_function
+        _bind_foreach_checks(_has_foreach_support)
     _CHECKS.append(Target(target))
 
 
@@ -243,6 +309,7 @@ def fast_path_checks_exit() -> None:
         _CHECKS.pop()
     if not _CHECKS:
         torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
+        _bind_foreach_checks(_HAS_FOREACH_SUPPORT)
 
 
 def withdraw(op, targets: Iterable[Target]) -> None:

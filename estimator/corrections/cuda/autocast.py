@@ -394,3 +394,29 @@ def emulate():
         torch.clear_autocast_cache = original_clear
         cache.casts.clear()
         lib._destroy()
+
+
+@contextlib.contextmanager
+def device_autocast():
+    """A user's own step on the CUDA target (``report(step=)``): its ``torch.autocast("cuda",
+    dtype)`` regions (``torch.cuda.amp.autocast`` too) autocast the fake CPU tensors, with CUDA's
+    op lists (``emulate()``, active for the block).  Without a GPU, ``autocast("cuda")`` would
+    disable itself; its default dtype is CUDA's (``torch.get_autocast_dtype("cuda")``: fp16).
+
+    ``torch.amp.autocast_mode.autocast.__init__`` is wrapped for the block (every alias --
+    ``torch.autocast``, ``torch.amp.autocast``, ``torch.cuda.amp.autocast`` -- constructs through
+    it) and restored on exit."""
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__init__
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "cuda":
+            device_type, dtype = "cpu", torch.get_autocast_dtype("cuda") if dtype is None else dtype
+        original(self, device_type, dtype, enabled, cache_enabled)
+
+    cls.__init__ = __init__
+    try:
+        with emulate():
+            yield
+    finally:
+        cls.__init__ = original
