@@ -126,3 +126,52 @@ def test_batch_norm_scratch_inference():
     rep = estimator.report(torch.nn.BatchNorm2d(32), x, mode="inference")
     assert rep.peak_bytes == 66312
     assert measure_cpu(torch.nn.BatchNorm2d(32), x, mode="inference").peak_bytes == 66312
+
+
+class _HalfTanh(nn.Module):
+    """``tanh(0.5 * h)`` ten times: each ``0.5 * h`` keeps its wrapped number for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        for _ in range(10):
+            h = torch.tanh(0.5 * h)
+        return h
+
+
+def test_wrapped_numbers_autograd_saves():
+    # MulBackward0 saves `other`: for `0.5 * h` the 0-dim float64 the Python number was wrapped
+    # in (8 B), alive until backward releases the node; in that backward `grad * other` reuses
+    # it (only the fp32 copy, 4 B, is new).  At the end of the forward: 10 x 8 = 80 B of them.
+    def make():
+        torch.manual_seed(0)
+        return _HalfTanh()
+
+    x = torch.randn(64, 16)
+    rep = estimator.report(make(), x, optimizer="sgd")
+    assert rep.peak_bytes == measure_cpu(make(), x, optimizer="sgd").peak_bytes
+    forward_end = max(i for i, op in enumerate(rep.timeline.ops) if op.phase.value == "forward")
+    saved = [s for s in rep.timeline.alive_at(forward_end) if s[0](64) == 8 and s[2] >= 0]
+    assert len(saved) == 10
+    no_grad = estimator.report(make(), x, mode="inference")  # nothing saved without grad
+    assert not [s for s in no_grad.timeline.storages if s[0](64) == 8 and s[2] >= 0]
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda ps: torch.optim.AdamW(ps, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    lambda ps: torch.optim.RMSprop(ps, foreach=True),
+], ids=["adamw", "sgd-momentum", "rmsprop"])
+def test_foreach_optimizers_on_cpu(make_optimizer):
+    # foreach=True on the CPU: the slow path wraps each number per tensor (8 + 4 B, freed before
+    # the next tensor: corrections/cpu/foreach.py); was 12 B under before.
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    x = torch.randn(8, 64)
+    rep = estimator.report(make(), x, optimizer=make_optimizer)
+    assert rep.peak_bytes == measure_cpu(make(), x, optimizer=make_optimizer).peak_bytes

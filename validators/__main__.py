@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from validators import strategies, zoo
+from validators import steps, strategies, zoo
 
 
 def main(argv=None) -> int:
@@ -26,8 +26,9 @@ def main(argv=None) -> int:
               f"measured {row.measured:>12,} error {row.error:+.3f} % ({row.capture})", flush=True)
         rows.append(row)
     command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
-    kept = strategies.kept_section(args.markdown)  # python -m validators.strategies's section
-    args.markdown.write_text(zoo.to_markdown(rows, command) + ("\n" + kept if kept else ""))
+    # the sections python -m validators.strategies and python -m validators.steps write
+    kept = [section for section in (strategies.kept_section(args.markdown), steps.kept(args.markdown)) if section]
+    args.markdown.write_text(zoo.to_markdown(rows, command) + "".join("\n" + section for section in kept))
     args.json.write_text(json.dumps(zoo.to_json(rows), indent=1) + "\n")
     stats = zoo.summary(rows)
     print(f"median |error| {stats['median_abs_error_pct']:.3f} %, max {stats['max_abs_error_pct']:.3f} %")

@@ -228,24 +228,26 @@ Notes:
 """
 
 
-def write_section(path: Path, section: str) -> None:
+def write_section(path: Path, section: str, marks: tuple[str, str] = (MARK_START, MARK_END)) -> None:
     """Put ``section`` between the markers of ``path`` (appended when it has none)."""
+    start, end = marks
     text = path.read_text() if path.exists() else ""
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         text = head + section + (("\n" + tail) if tail else "")
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + section
     path.write_text(text)
 
 
-def kept_section(path: Path) -> str:
-    """The strategies section of ``path`` ('' if none): what ``python -m validators`` keeps."""
+def kept_section(path: Path, marks: tuple[str, str] = (MARK_START, MARK_END)) -> str:
+    """The section of ``path`` between ``marks`` ('' if none): what ``python -m validators`` keeps."""
+    start, end = marks
     text = path.read_text() if path.exists() else ""
-    if MARK_START not in text or MARK_END not in text:
+    if start not in text or end not in text:
         return ""
-    return MARK_START + text.split(MARK_START, 1)[1].split(MARK_END, 1)[0] + MARK_END + "\n"
+    return start + text.split(start, 1)[1].split(end, 1)[0] + end + "\n"
 
 
 def main(argv=None) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 import sympy
 import torch
 from torch import fx, nn
-from torch.optim import optimizer as torch_optimizer
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import corrections, custom_ops, step
@@ -222,9 +222,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         _label_storages(tracker, fmodel, optimizers, end)
         if not user:  # a user's warm-up step created state only where a real first step does
             _drop_state_without_grad(tracker, optimizers, warm.constructed)
-        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-        graph = tracker.recorder.finish(outputs)
-        del result, outputs
+        graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
+        del result
 
     def grown() -> tuple[str, ...]:  # last: its extra step must not add guards to what was read
         return _growth_note(fmodel, run_step, mode, real, before, after, micro)
@@ -637,7 +636,7 @@ def _integer_in_micro(expr, k: int) -> bool:
 
 def _on_phase(tracker: Tracker, model: nn.Module):
     def on_phase(phase: Phase) -> None:
-        _label_storages(tracker, model, None, phase_ended=tracker.phase)
+        _label_storages(tracker, model, (), phase_ended=tracker.phase)
         tracker.phase = phase
 
     return on_phase
@@ -660,7 +659,7 @@ def _label_storages(tracker: Tracker, model: nn.Module, optimizers, phase_ended:
                 tracker.params_with_grad.add(id(p))
                 _relabel(tracker, p.grad, Category.GRADIENT)
                 _own(tracker, p.grad, name)
-    for optimizer in optimizers or ():
+    for optimizer in optimizers:
         for state in optimizer.state.values():
             for t in tree_flatten(state)[0]:
                 if isinstance(t, torch.Tensor):

@@ -78,6 +78,8 @@ class Tracker(TorchDispatchMode):
         self.recorder = GraphRecorder()
         self.params_with_grad: set[int] | None = None  # ids of the parameters backward gave a grad
         self.freed_first: list[int] = []  # state freed before the step's first op
+        self._saved: list[tuple[weakref.ref, torch.Tensor]] = []  # (output, wrapped number) to hand to its node
+        self._ran: list = []  # autograd nodes holding wrapped numbers that backward just ran
         self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
 
     # -- state alive before the step -------------------------------------------------
@@ -119,9 +121,31 @@ class Tracker(TorchDispatchMode):
     def alive_keys(self) -> set[int]:
         return {key for key, _ in self._alive.values()}
 
+    def _hand_saved(self) -> None:
+        """Give each wrapped number autograd keeps (``x * 0.5``) to the node of the output it was
+        saved for (its ``metadata``), and drop it when that node releases its saved variables
+        (after it ran in a backward without ``retain_graph``), as the real one is.  Autograd sets
+        ``grad_fn`` after the op returns and releases after the node's post hooks, so both happen
+        at the next op.  An output already dead takes its number along."""
+        for node in self._ran:
+            try:
+                node._saved_other
+            except RuntimeError:  # released: "Trying to backward through the graph a second time"
+                node.metadata.pop("fxmem_saved_scalars", None)
+        self._ran = []
+        for ref, number in self._saved:
+            out = ref()
+            node = None if out is None else out.grad_fn
+            if node is not None and hasattr(node, "_saved_other"):
+                if "fxmem_saved_scalars" not in node.metadata:
+                    node.register_hook(lambda *_: self._ran.append(torch._C._current_autograd_node()))
+                node.metadata.setdefault("fxmem_saved_scalars", []).append(number)
+        self._saved = []
+
     def flush(self) -> None:
         """Attach frees seen since the last op to it (call when the step ends); frees before the
         first op (a user's step that starts with ``zero_grad()``) go to ``freed_first``."""
+        self._hand_saved()
         if self.ops:
             self.ops[-1].frees += self._pending_frees
         else:
@@ -176,6 +200,10 @@ class Tracker(TorchDispatchMode):
             if key is not None:
                 event.allocs.append(key)
                 new[id(t)] = key
+        for _ in range(fix.saved_scalars) if outputs else ():
+            number = torch.empty((), dtype=torch.float64)  # the wrapped Python number autograd keeps
+            event.allocs.append(self._track(number.untyped_storage(), Category.TEMPORARY, index))
+            self._saved.append((weakref.ref(outputs[0]), number))
         event.scratch = tuple(as_expr(x) for x in fix.scratch)
         if fix.measure:
             event.kernel = KernelCall.of(func, args, kwargs, index, [

@@ -77,6 +77,7 @@ class Fix:
     scratch: tuple[Any, ...] = ()
     outputs: Any = None
     measure: bool = False
+    saved_scalars: int = 0  # wrapped Python numbers (8 B each) autograd keeps for backward (CPU)
 
 
 NO_FIX = Fix()
@@ -419,8 +420,13 @@ def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
     # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such): no device memory.
     wrapped = _wrapped_scalar_bytes(func, args, out) if target is Target.CPU else 0
     if wrapped and not fix.measure:  # a measured call sees the wrapped scalar itself
+        saved = _saved_scalars(func, args)
+        # Saved ones are outputs of the op (the tracker allocates them), not scratch; in their
+        # node's backward the number is that saved tensor, not a new one.
+        wrapped -= 8 * (saved + _reused_scalar(func, args))
         # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
-        fix = Fix(fix.output_bytes, (wrapped, *(s + wrapped for s in fix.scratch)), fix.outputs)
+        scratch = (wrapped, *(s + wrapped for s in fix.scratch)) if wrapped else fix.scratch
+        fix = Fix(fix.output_bytes, scratch, fix.outputs, saved_scalars=saved)
     return fix
 
 
@@ -445,6 +451,31 @@ def _wrapped_scalar_bytes(func, args, out) -> int:
     if not count or not isinstance(out, torch.Tensor):
         return 0
     return count * (8 + (0 if out.dtype in _WIDE else out.element_size()))
+
+
+# Ops whose backward formula for ``self`` needs ``other`` (tools/autograd/derivatives.yaml:
+# ``mul.Tensor``: ``self: mul_tensor_backward(grad, other, self.scalar_type())``; ``div.Tensor``:
+# ``self: div_tensor_self_backward(grad, other, self.scalar_type())``): autograd saves it.
+_SAVES_OTHER = {aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
+
+
+def _saved_scalars(func, args) -> int:
+    """1 when autograd keeps the wrapped number of ``x * 0.5`` / ``x / 2`` for backward: ``other``
+    is a Python number, ``self`` requires grad and grad mode is on.  The 0-dim double lives as
+    long as the autograd node (measured: ``tanh(0.5 * h)`` ten times keeps 10 x 8 B until
+    backward).  The CUDA target keeps it in host memory: not counted there."""
+    if func not in _SAVES_OTHER or len(args) < 2 or type(args[1]) not in (int, float):
+        return 0
+    return int(torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad)
+
+
+def _reused_scalar(func, args) -> int:
+    """1 in the backward of ``x * 0.5`` / ``x / 2`` (``grad * other``): the wrapped number is the one
+    autograd saved (``Tracker`` marks its node), not a new 8 B tensor (only the dtype copy is)."""
+    if func not in _SAVES_OTHER or len(args) < 2 or type(args[1]) not in (int, float):
+        return 0
+    node = torch._C._current_autograd_node()
+    return int(node is not None and "fxmem_saved_scalars" in node.metadata)
 
 
 def registered(target: Target | None = None) -> dict[Any, CorrectionFn]:

@@ -41,10 +41,20 @@ without one; a seq2seq LM without ``decoder_start_token_id`` (transformers 5's `
 gets ``pad_token_id``, T5's convention. The cache is HF's default: causal LMs whose config says ``use_cache`` return the
 KV cache from an inference forward, and it is counted; pass ``overrides={"use_cache": False}``
 to leave it out.
+
+Training with ``transformers.Trainer``: ``trainer_step()`` is the step Trainer runs for one
+optimizer step (the outputs dropped before backward, the gradient norm and clipping at
+``max_grad_norm``, ``zero_grad`` to None) and ``trainer_optimizer()`` the state it keeps (its
+default fused AdamW in two weight-decay groups, the scheduler, its loss and norm tensors)::
+
+    rep = estimator.report(model, batch, step=trainer_step(max_grad_norm=1.0), optimizer=trainer_optimizer())
+
+(``args=TrainingArguments(...)`` for both takes the settings from your arguments).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -294,3 +304,327 @@ def _sample(transformers, model, config, batch: int, seq_len, image_size) -> dic
         f"{type(model).__name__} takes {main!r}: fxmem builds samples for text (input_ids) and image "
         "(pixel_values) models only; build the model yourself and pass estimator.report a sample"
     )
+
+
+
+# -- Hugging Face ``Trainer``'s own optimizer step: report(step=trainer_step(), optimizer=trainer_optimizer()) --
+#
+# What transformers 5.24's ``Trainer`` runs for one optimizer step (``Trainer._run_epoch``,
+# ``training_step``, ``compute_loss``, with accelerate 1.x's ``Accelerator.backward`` and
+# ``clip_grad_norm_``), one micro-batch per step, fp32, one process:
+#
+#   num_items = sum(labels.ne(-100).sum() ...) / 1        # get_batch_samples (loss-kwargs models)
+#   loss = model(**batch, num_items_in_batch=num_items)["loss"]   # compute_loss: outputs dropped
+#   loss *= 1                                             # average_tokens_across_devices (default)
+#   (loss / 1).backward()                                 # Accelerator.backward: / accumulation steps
+#   tr_loss_step = loss.detach(); isnan/isinf; _tr_loss += tr_loss_step
+#   grad_norm = clip(model.parameters(), max_grad_norm)   # always: max_norm=inf when clipping is off
+#   optimizer.step(); lr_scheduler.step(); model.zero_grad()   # zero_grad: set_to_none=True
+#
+# and the optimizer ``create_optimizer`` builds: ``torch.optim.AdamW`` (``fused=True`` for the
+# default ``optim="adamw_torch_fused"`` on torch >= 2.8) over the trainable parameters in two
+# groups, with and without weight decay.
+
+# ``Trainer.get_decay_parameter_names``'s name patterns (transformers 5.24, trainer.py): no weight
+# decay for biases, norms, and every parameter inside an ``nn.LayerNorm``.
+_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+_IGNORE_INDEX = -100  # the label transformers' losses skip (and Trainer does not count)
+# TrainingArguments settings that change Trainer's step (the mapping models none of them): their defaults.
+_UNMODELED_ARGS = {
+    "gradient_accumulation_steps": 1, "fp16": False, "bf16": False, "gradient_checkpointing": False,
+    "label_smoothing_factor": 0.0, "torch_compile": False, "deepspeed": None, "fsdp": None,
+}
+
+
+@dataclasses.dataclass
+class TrainerLoop:
+    """What transformers' ``Trainer`` keeps from one optimizer step to the next, device tensors
+    only: the optimizer (and its state), the learning-rate scheduler, ``_tr_loss`` (the losses
+    summed between two logging steps, fp32 0-dim), the last step's detached loss
+    (``tr_loss_step``) and gradient norm (``grad_norm``): both alive until the next step
+    replaces them, after its backward and before its clipping.  ``trainer_optimizer()`` builds
+    it; ``trainer_step()`` updates it (mutable: it is the loop's state, not a result)."""
+
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any = None
+    tr_loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
+
+
+def trainer_step(max_grad_norm: float | None = 1.0, *, args: Any = None):
+    """The step transformers' ``Trainer`` runs for one optimizer step, as a ``report(step=)``
+    function ``step(model, batch, state)``: ``batch`` a dict of tensors (``model(**batch)``, as
+    the data collator makes it: each key its own tensor), ``state`` what ``trainer_optimizer()``
+    builds (a ``TrainerLoop``; an optimizer or ``(optimizer, lr_scheduler)`` works too, without
+    the loss and norm kept between steps).
+
+    Follows transformers 5.24 (``Trainer._run_epoch``, ``training_step``, ``compute_loss``,
+    ``_get_num_items_in_batch``) with accelerate 1.x (``Accelerator.backward``,
+    ``clip_grad_norm_``), one micro-batch per optimizer step, fp32, one process:
+
+    - for models that take loss kwargs (``accepts_loss_kwargs``, else ``**kwargs`` in
+      ``forward``) and a batch with ``labels``: ``num_items_in_batch``, the labels that are not
+      -100 (``labels[..., 1:]`` for causal-LM losses), passed to the model;
+    - ``loss = model(**batch)["loss"]`` (``outputs[0]`` for tuples): the outputs, logits
+      included, die before backward (the built-in step's ``keep_output=False``);
+    - the loss scaled as Trainer and accelerate do (``loss *= 1`` in place, or ``loss / 1`` when
+      it is not normalised by ``num_items_in_batch``; then accelerate's ``loss / 1``) and
+      ``backward()``; the detached loss tested for nan/inf (``logging_nan_inf_filter``) and
+      added in place to ``_tr_loss``;
+    - the gradient norm, every step: clipped to ``max_grad_norm`` when that is > 0, else
+      computed with ``max_norm=inf`` (Trainer's ``_get_grad_norm``), as accelerate does it
+      (``torch.nn.utils.get_total_norm`` per device mesh, ``stack`` and 2-norm of those, then
+      ``clip_grads_with_norm_``; ``foreach=None``: foreach kernels where the device has them);
+    - ``optimizer.step()``, ``lr_scheduler.step()`` (plain Python: no tensor), and
+      ``model.zero_grad()`` (``set_to_none=True``: no gradient outlives the step).
+
+    ``max_grad_norm``: ``TrainingArguments.max_grad_norm`` (default 1.0; None or 0: no clipping,
+    the norm is still computed).  ``args``: a ``TrainingArguments`` to take it from instead;
+    settings that change the step (gradient accumulation, fp16/bf16, gradient checkpointing,
+    label smoothing, torch.compile, DeepSpeed, FSDP) raise ``InputError``.
+
+    Not part of the step: the next batch, which accelerate's ``DataLoaderShard`` fetches one
+    step ahead (host memory: on a CPU run one more batch is alive, on a GPU it waits on the
+    host), and ``num_items_in_batch`` being computed before the step rather than in it.
+    """
+    if args is not None:
+        _check_training_args(args)
+        max_grad_norm = args.max_grad_norm
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
+        raise InputError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+    max_norm = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else float("inf")
+
+    def step(model: nn.Module, batch: dict[str, torch.Tensor], state: Any) -> None:
+        if not isinstance(batch, dict):
+            raise InputError(f"trainer_step's batch must be a dict of tensors (model(**batch)), got "
+                             f"{type(batch).__name__}")
+        if state is None and not model.training:  # report(mode="inference") hands no state, model in eval mode
+            raise InputError("trainer_step is Trainer's training step: use it with mode='train'")
+        loop = _trainer_loop(state)
+        num_items = _num_items_in_batch(model, batch) if _accepts_loss_kwargs(model) else None
+        model.train()
+        inputs = {**batch, "num_items_in_batch": num_items} if num_items is not None else batch
+        outputs = model(**inputs)
+        if isinstance(outputs, dict) and "loss" not in outputs:
+            raise InputError(f"{type(model).__name__} returned no loss: Trainer's step needs labels in the batch "
+                             f"(it holds {', '.join(batch)})")
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        del outputs, inputs
+        if num_items is not None:
+            loss *= 1  # compute_loss: average_tokens_across_devices, * num_processes // tp_size
+        else:
+            loss = loss / 1  # training_step: a loss not normalised by num_items, / accumulation steps
+        (loss / 1).backward()  # Accelerator.backward: / its own gradient_accumulation_steps (1)
+        loop.loss = loss.detach()  # tr_loss_step: the previous step's dies here
+        del loss
+        torch.isnan(loop.loss)  # logging_nan_inf_filter: `isnan(x) or isinf(x)`, 1 byte each
+        torch.isinf(loop.loss)
+        if loop.tr_loss is not None:
+            loop.tr_loss += loop.loss
+        loop.grad_norm = None  # `grad_norm = None` before clipping
+        loop.grad_norm = _clip_grad_norm(list(model.parameters()), max_norm)
+        if loop.optimizer is not None:
+            loop.optimizer.step()
+        if loop.lr_scheduler is not None:
+            loop.lr_scheduler.step()
+        model.zero_grad()
+
+    step.__qualname__ = step.__name__ = "trainer_step"
+    return step
+
+
+def trainer_optimizer(
+    optim: str | None = None,
+    *,
+    learning_rate: float = 5e-5,
+    weight_decay: float = 0.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_epsilon: float = 1e-8,
+    lr_scheduler_type: str | None = "linear",
+    max_steps: int = 1000,
+    args: Any = None,
+):
+    """``report(optimizer=)`` factory ``model -> TrainerLoop``: the optimizer and scheduler
+    ``Trainer.create_optimizer`` / ``create_scheduler`` build (transformers 5.24) and ``_tr_loss``.
+
+    The optimizer: ``torch.optim.AdamW`` over the trainable parameters in two groups, those
+    ``Trainer.get_decay_parameter_names`` names (``weight_decay``) and the rest (biases, norms,
+    ``nn.LayerNorm`` parameters: 0.0); ``fused=True`` for ``optim="adamw_torch_fused"``, the
+    ``TrainingArguments`` default on torch >= 2.8 (``optim=None``: that default), torch's own
+    choice (foreach on CUDA, a for-loop on CPU) for ``"adamw_torch"``.  The scheduler:
+    transformers' ``get_scheduler(lr_scheduler_type)`` (None: none); it allocates no tensor.
+
+    ``args``: a ``TrainingArguments``: its optimizer (any ``optim`` Trainer knows, built by
+    Trainer's own ``get_optimizer_cls_and_kwargs``), weight decay and scheduler instead of the
+    keywords.
+    """
+    if args is not None:
+        _check_training_args(args)
+    elif optim is None:
+        optim = _default_optim()
+    elif optim not in ("adamw_torch", "adamw_torch_fused"):
+        raise InputError(f"trainer_optimizer builds optim='adamw_torch' or 'adamw_torch_fused', got {optim!r}: "
+                         "pass args=TrainingArguments(optim=...) for Trainer's other optimizers")
+
+    def build_loop(model: nn.Module) -> TrainerLoop:
+        groups = _parameter_groups(model, args.weight_decay if args is not None else weight_decay)
+        if args is not None:
+            cls, kwargs = _transformers().Trainer.get_optimizer_cls_and_kwargs(args, model)
+            optimizer = _trainer_built(cls, dict(kwargs), groups, model)
+            scheduler_type, steps = args.lr_scheduler_type, args.max_steps if args.max_steps > 0 else max_steps
+            warmup = args.get_warmup_steps(steps)
+        else:
+            fused = {"fused": True} if optim == "adamw_torch_fused" else {}
+            optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(adam_beta1, adam_beta2), eps=adam_epsilon,
+                                          **fused)
+            scheduler_type, steps, warmup = lr_scheduler_type, max_steps, 0
+        scheduler = None
+        if scheduler_type is not None:
+            scheduler = _transformers().get_scheduler(scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
+                                      num_training_steps=steps)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return TrainerLoop(optimizer, scheduler, tr_loss=torch.tensor(0.0, device=device))
+
+    build_loop.__qualname__ = build_loop.__name__ = "trainer_optimizer"
+    return build_loop
+
+
+def _trainer_built(cls, kwargs: dict[str, Any], groups: list[dict[str, Any]], model: nn.Module):
+    """The optimizer ``Trainer.create_optimizer`` makes of ``get_optimizer_cls_and_kwargs``'s
+    answer: a factory (Muon, Dion) called with the model, else the class with the parameter groups,
+    unless the keywords bring their own ``params``, ``model`` or ``optimizer_dict`` (GaLore, LOMO,
+    layer-wise optimizers)."""
+    try:
+        from transformers.trainer_optimizer import is_optimizer_factory
+    except ImportError:
+        is_optimizer_factory = None
+    if is_optimizer_factory is not None and is_optimizer_factory(cls):
+        return cls()(model, **kwargs)
+    for key in ("params", "model", "optimizer_dict"):
+        if key in kwargs:
+            groups = kwargs.pop(key)
+    return cls(groups, **kwargs)
+
+
+def _transformers():
+    """``transformers``, imported the way ``build`` does (torchvision made importable first), or
+    an ``InputError`` naming the extra to install."""
+    return import_optional("transformers", "transformers")
+
+
+def _default_optim() -> str:
+    """``TrainingArguments``' default ``optim``: ``adamw_torch_fused`` on torch >= 2.8 (transformers
+    5.24, training_args.py ``default_optim``), else ``adamw_torch``."""
+    try:
+        return str(_transformers().TrainingArguments.default_optim)
+    except (InputError, ImportError, AttributeError):
+        major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+        return "adamw_torch_fused" if (major, minor) >= (2, 8) else "adamw_torch"
+
+
+def _check_training_args(args: Any) -> None:
+    if not isinstance(args, _transformers().TrainingArguments):
+        raise InputError(f"args must be a transformers.TrainingArguments, got {type(args).__name__}")
+    changed = [f"{name}={getattr(args, name)!r}" for name, default in _UNMODELED_ARGS.items()
+               if getattr(args, name, default) != default and (default is not None or getattr(args, name))]
+    if changed:
+        raise InputError("trainer_step models Trainer's fp32 step on one process, one micro-batch per optimizer "
+                         f"step; these TrainingArguments change it: {', '.join(changed)}")
+
+
+def _trainer_loop(state: Any) -> TrainerLoop:
+    """The ``TrainerLoop`` a step is handed, or a throw-away one around an optimizer or an
+    ``(optimizer, lr_scheduler)`` pair (None: no optimizer step)."""
+    if isinstance(state, TrainerLoop):
+        return state
+    if state is None or isinstance(state, torch.optim.Optimizer):
+        return TrainerLoop(state)
+    if isinstance(state, (tuple, list)) and len(state) == 2 and isinstance(state[0], torch.optim.Optimizer):
+        return TrainerLoop(state[0], state[1])
+    raise InputError("trainer_step's state must be what trainer_optimizer() builds (a TrainerLoop), an optimizer "
+                     f"or (optimizer, lr_scheduler); got {type(state).__name__}")
+
+
+def _parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """``Trainer.create_optimizer``'s two groups, trainable parameters only: decayed, then not."""
+    decay = set(_decay_parameter_names(model))
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n in decay and p.requires_grad], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay and p.requires_grad], "weight_decay": 0.0},
+    ]
+
+
+def _decay_parameter_names(model: nn.Module) -> list[str]:
+    """``transformers.trainer_pt_utils.get_parameter_names(model, [nn.LayerNorm], patterns)``:
+    every parameter outside ``nn.LayerNorm`` modules whose lower-cased name matches none of
+    ``_NO_DECAY_PATTERNS``."""
+    patterns = [re.compile(p) for p in _NO_DECAY_PATTERNS]
+
+    def names(module: nn.Module) -> list[str]:
+        result = []
+        for child_name, child in module.named_children():
+            result += [f"{child_name}.{n}" for n in names(child)
+                       if not isinstance(child, nn.LayerNorm)
+                       and not any(p.search(f"{child_name}.{n}".lower()) for p in patterns)]
+        result += [k for k in module._parameters if not any(p.search(k.lower()) for p in patterns)]
+        return result
+
+    return names(model)
+
+
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """``Trainer.model_accepts_loss_kwargs``: the model's ``accepts_loss_kwargs``, else whether its
+    ``forward`` takes ``**kwargs``."""
+    import inspect
+
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def _num_items_in_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """``Trainer._get_num_items_in_batch`` for one batch on one process: the labels that are not
+    -100 (``shift_labels`` if the batch has them, ``labels[..., 1:]`` for losses that shift the
+    labels), as a 0-dim tensor divided by the (1) devices that share the batch."""
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor):
+        return None
+    if isinstance(batch.get("shift_labels"), torch.Tensor):
+        labels = batch["shift_labels"]
+    elif _loss_shifts_labels(model):
+        labels = labels[..., 1:]
+    num_items = sum(t.ne(_IGNORE_INDEX).sum() for t in [labels])  # as Trainer: 0 + the count
+    return num_items / 1  # / (tp * cp * sp sizes)
+
+
+def _loss_shifts_labels(model: nn.Module) -> bool:
+    """``Trainer._loss_shifts_labels``: the model's ``loss_type`` maps to ``ForCausalLMLoss`` and
+    it is not an encoder-decoder."""
+    try:
+        _transformers()
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except (InputError, ImportError):
+        return False
+    config = getattr(model, "config", None)
+    return (LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(config, "is_encoder_decoder", False))
+
+
+def _clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """accelerate's ``Accelerator.clip_grad_norm_`` outside FSDP / DeepSpeed / XLA
+    (``_clip_grad_norm_dtensor_aware``, ``norm_type=2``, ``foreach=None``): one total norm per
+    device mesh (one here), the 2-norm of their ``stack``, then ``clip_grads_with_norm_`` unless
+    ``max_norm`` is inf; ``torch.nn.utils.clip_grad_norm_`` without ``torch.distributed``."""
+    if not torch.distributed.is_available():
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=2.0, foreach=None)
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    params = [p for p in parameters if p.grad is not None]
+    norms = [get_total_norm([p.grad for p in params], 2.0, foreach=None)] if params else []
+    total = torch.linalg.vector_norm(torch.stack(norms) if norms else torch.zeros(1), 2.0)
+    if max_norm != float("inf") and params:
+        clip_grads_with_norm_(params, max_norm, total, None)
+    return total
