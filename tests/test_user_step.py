@@ -326,3 +326,11 @@ def test_cuda_target_autocasts_the_users_cuda_regions():
     assert user.cuda == built_in.cuda
     assert user.peak_bytes != estimator.report(net(), x, device="cuda").peak_bytes
     assert torch.autocast("cuda").device == "cuda"  # the mapping is gone after the capture
+
+
+def test_a_step_that_grows_is_named():
+    # logging_step appends a 4-byte loss to a list every step: no steady state.
+    rep = estimator.report(net(), data(), step=logging_step)
+    assert any("your step holds 4 B more when it returns" in n for n in rep.notes)
+    assert not any("holds" in n and "more when it returns" in n
+                   for n in estimator.report(net(), data(), step=loss_only).notes)

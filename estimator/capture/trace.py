@@ -224,6 +224,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
             _drop_state_without_grad(tracker, optimizers, warm.constructed)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
+        leak = _step_growth(tracker, shape_env) if user else ()
 
     def grown() -> tuple[str, ...]:  # last: its extra step must not add guards to what was read
         return _growth_note(fmodel, run_step, mode, real, before, after, micro)
@@ -236,7 +237,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         _symbol_range(shape_env, batch_symbols[0], "batch size", SymbolicCaptureFailed)
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
-    notes += held_note(model) + real.notes() + warm.notes + datadep.assumed_note(dd.assumed)
+    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
@@ -748,6 +749,28 @@ def _hint(value) -> int:
     if isinstance(value, torch.SymInt):  # the hint: int() would add a guard
         return int(value.node.hint or 0)
     return int(value)
+
+
+def _step_growth(tracker: Tracker, shape_env: ShapeEnv | None) -> tuple[str, ...]:
+    """A note when a user's step holds more once it returned than before it started (its result
+    dropped): what it allocated and keeps (a list of losses it appends to) minus the state it
+    freed.  There is then no steady state: every later step starts higher."""
+    gc.collect()
+    alive = tracker.alive_keys()
+    known = {} if shape_env is None else (getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val)
+
+    def nbytes(s: Storage) -> int:
+        return int(sympy.sympify(s.nbytes).xreplace(known)) + int(sympy.sympify(s.extra).xreplace(known))
+
+    kept = [s for key, s in tracker.storages.items() if s.op >= 0 and key in alive]
+    freed = [s for key, s in tracker.storages.items() if s.op < 0 and key not in alive]
+    grown = sum(map(nbytes, kept)) - sum(map(nbytes, freed))
+    if grown <= 0:
+        return ()
+    ops = ", ".join(dict.fromkeys(tracker.ops[s.op].name for s in kept))
+    return (f"your step holds {grown:,} B more when it returns than when it started (at the capture's batch; "
+            f"allocated by {ops} and still referenced: a list it appends to?). There is no steady state: this is "
+            "the next step's peak, and every later step starts that much higher",)
 
 
 def _growth_note(model: nn.Module, run_step, mode: FakeTensorMode, real: RealTensors, before: dict[str, int],
