@@ -432,25 +432,44 @@ def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
 
 _TENSOR_POSITIONS: dict[Any, tuple[int, ...]] = {}
 _WIDE = (torch.float64, torch.int64)  # the dtypes Python numbers are wrapped in
+# Binary TensorIterator ops whose ``.Scalar`` kernels wrap the number too (``wrapped_scalar_tensor``
+# in BinaryOps.cpp / the comparison ops): e.g. ``div.Scalar`` in MeanBackward.
+_WRAPS_SCALAR = frozenset({"add", "sub", "mul", "div", "rsub", "remainder", "fmod", "eq", "ne", "lt", "le", "gt",
+                           "ge", "bitwise_and", "bitwise_or", "bitwise_xor"})
+
+
+def _number_positions(func) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The argument positions where a Python number is wrapped: those whose schema type is Tensor,
+    and, for the ``.Scalar`` overloads of ``_WRAPS_SCALAR`` ops, the Scalar ``other``."""
+    positions = _TENSOR_POSITIONS.get(func)
+    if positions is None:
+        arguments = func._schema.arguments
+        tensors = tuple(i for i, a in enumerate(arguments) if isinstance(a.type, torch.TensorType))
+        wraps = func._overloadpacket.__name__.rstrip("_") in _WRAPS_SCALAR and func._overloadname == "Scalar"
+        scalars = tuple(i for i, a in enumerate(arguments) if wraps and a.name == "other")
+        positions = _TENSOR_POSITIONS[func] = (tensors, scalars)
+    return positions
 
 
 def _wrapped_scalar_bytes(func, args, out) -> int:
     """The one CPU rule that is not per-op: a Python number passed where the schema says Tensor
-    (``aten.div.Tensor(t, 0.5)``) is wrapped into a 0-dim double/int64 tensor (8 B,
+    (``aten.div.Tensor(t, 0.5)``), or the Scalar of a binary op's ``.Scalar`` overload
+    (``aten.div.Scalar``, ``aten.eq.Scalar``), is wrapped into a 0-dim double/int64 tensor (8 B,
     ``scalar_to_tensor`` in aten/src/ATen/ScalarOps.h) and TensorIterator copies it to the
-    result's dtype (``itemsize`` B unless that is double/int64).  Measured: ``x / 0.5`` on
-    fp32 allocates 8 + 4 B besides its output; on bf16 8 + 2; on fp64 8.
+    computation's dtype (``itemsize`` B unless that is double/int64).  Measured: ``x / 0.5`` on
+    fp32 allocates 8 + 4 B besides its output; on bf16 8 + 2; on fp64 8; ``aten.eq.Scalar(x, 0.5)``
+    on fp32 8 + 4 (the input's dtype, not the bool result's).
     """
-    positions = _TENSOR_POSITIONS.get(func)
-    if positions is None:
-        positions = tuple(
-            i for i, a in enumerate(func._schema.arguments) if isinstance(a.type, torch.TensorType)
-        )
-        _TENSOR_POSITIONS[func] = positions
-    count = sum(1 for i in positions if i < len(args) and type(args[i]) in (int, float))
-    if not count or not isinstance(out, torch.Tensor):
+    tensors, scalars = _number_positions(func)
+    if not isinstance(out, torch.Tensor):
         return 0
-    return count * (8 + (0 if out.dtype in _WIDE else out.element_size()))
+    wrapped = sum(8 + (0 if out.dtype in _WIDE else out.element_size())
+                  for i in tensors if i < len(args) and type(args[i]) in (int, float))
+    for i in scalars:
+        if i < len(args) and type(args[i]) in (int, float) and isinstance(args[0], torch.Tensor):
+            dtype = torch.result_type(args[0], args[i])
+            wrapped += 8 + (0 if dtype in _WIDE else dtype.itemsize)
+    return wrapped
 
 
 # Ops whose backward formula for ``self`` needs ``other`` (tools/autograd/derivatives.yaml:

@@ -43,6 +43,7 @@ from estimator.corrections.registry import (
     numel,
     parallel_on_cpu,
 )
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 _NONE, _MEAN = 0, 1  # at::Reduction::None, Mean (Sum = 2)
@@ -107,21 +108,27 @@ def _reduction(loss: torch.Tensor, dtype: torch.dtype, reduction: int, into: boo
       ``.div_(dim_prod)`` (an int64 wrapped and copied to the result's dtype); for bf16/fp16,
       "cast_fp32 -> sum -> div -> cast": ``result.to(kFloat)`` (4 B), the input's fp32 copy
       (4 B an element) for ``sum_out``, freed once summed, and the fp32 result freed at the end.
-    """
+
+    The two-pass buffer depends on the element count: ``parallel_on_cpu`` asks it, a guard on
+    ``b`` (the formula holds on the capture's side of 32,768 elements), except where the buffer
+    cannot change the peak."""
     if reduction == _NONE:
         return []
     half = reduction == _MEAN and dtype in _HALF
     acc = torch.float32 if half else dtype
-    threads = torch.get_num_threads()
-    two_pass = [_alloc(threads * acc.itemsize), _free(threads * acc.itemsize)] if parallel_on_cpu(loss.numel()) else []
+    divide = _wrapped(acc, is_float=False) if reduction == _MEAN else []
+    buffer = torch.get_num_threads() * acc.itemsize
+    # Where the buffer is no larger than div_'s wrapped number (fp32 / fp64 mean on up to 3 / 2
+    # threads) it never shows in the peak, and the element count is not asked: a guard on b
+    # would cut the formula at 32,768 elements for nothing.
+    hidden = bool(divide) and not half and buffer <= sum(n for n, sign in divide if sign > 0)
+    parallel = not hidden and parallel_on_cpu(loss.numel())
+    two_pass = [_alloc(buffer), _free(buffer)] if parallel else []
     steps = [] if into else [_alloc(dtype.itemsize)]
-    if reduction != _MEAN:
-        return steps + two_pass
     if not half:
-        return steps + two_pass + _wrapped(acc, is_float=False)
+        return steps + two_pass + divide
     copy = _FP32 * numel(loss)
-    return (steps + [_alloc(_FP32), _alloc(copy)] + two_pass + [_free(copy)] + _wrapped(acc, is_float=False)
-            + [_free(_FP32)])
+    return steps + [_alloc(_FP32), _alloc(copy), *two_pass, _free(copy), *divide, _free(_FP32)]
 
 
 # -- forward ------------------------------------------------------------------------------------
@@ -207,8 +214,10 @@ def bce_with_logits_steps(input, target, weight, pos_weight, reduction: int) -> 
         if (weight) loss.mul_(*weight_opt);
         return apply_loss_reduction(loss, reduction);
 
-    - ``at::log_sigmoid`` -> ``log_sigmoid_forward``: its output and an input-sized ``buffer``
-      (freed: ``log_sigmoid`` returns the output only);
+    - ``at::log_sigmoid`` -> ``log_sigmoid_forward`` (Activation.cpp ``log_sigmoid_forward_cpu``):
+      its output and an input-sized ``buffer`` (freed: ``log_sigmoid`` returns the output only),
+      both ``empty_like(input, Contiguous)``, and the kernel reads ``input.contiguous()``
+      (``_contiguous``);
     - ``pos_weight - 1`` (``sub.Scalar``: the int 1 wrapped, 8 B, and copied to the dtype) into a
       pos_weight-sized tensor, ``.mul(target)`` a target-sized one, ``.add_(1)`` another wrapped
       int; the first dies at the ``;``, ``log_weight`` at the end of the block;
@@ -224,7 +233,7 @@ def bce_with_logits_steps(input, target, weight, pos_weight, reduction: int) -> 
     -8, -4, -256, -256]`` (``mean``'s fp32 copy)."""
     n_in = numel(input) * input.element_size()
     n_loss = numel(target) * target.element_size()
-    steps = [_alloc(n_in), _alloc(n_in), _free(n_in)]
+    steps = [_alloc(n_in), _alloc(n_in), *_contiguous(input), _free(n_in)]
     if pos_weight is not None:
         p = numel(pos_weight) * pos_weight.element_size()
         weight_dtype = torch.promote_types(pos_weight.dtype, target.dtype)
@@ -237,6 +246,27 @@ def bce_with_logits_steps(input, target, weight, pos_weight, reduction: int) -> 
     if reduction != _NONE:
         steps.append(_free(n_loss))
     return steps
+
+
+# copy_same_type_transpose_ (aten/src/ATen/native/Copy.cpp): a contiguous copy of a transposed 2-D
+# tensor of at least 60 x 60 elements goes through one BLOCK_SZ x BLOCK_SZ block of the dtype.
+_BLOCK_SZ = 60
+
+
+def _contiguous(t: torch.Tensor) -> list[tuple]:
+    """``t.contiguous()`` while a kernel runs: nothing for a contiguous ``t``, else a copy (freed
+    with the kernel's other temporaries: listed first, freed last), plus ``copy_transpose_valid``'s
+    block buffer for a transposed 2-D ``t`` (a guard on the element count, as
+    ``parallel_on_cpu``)."""
+    if is_contiguous(t):
+        return []
+    n = numel(t) * t.element_size()
+    steps = [_alloc(n)]
+    transposed = t.dim() == 2 and as_expr(t.stride(0)) == 1 and as_expr(t.stride(1)) == as_expr(t.shape[0])
+    if transposed and bool(t.numel() >= _BLOCK_SZ * _BLOCK_SZ):
+        block = _BLOCK_SZ * _BLOCK_SZ * t.element_size()
+        steps += [_alloc(block), _free(block)]
+    return steps + [_free(n)]
 
 
 def _with_number(wrapped: list[tuple], output: tuple) -> list[tuple]:
@@ -328,20 +358,28 @@ def multilabel_margin_loss_backward(args, kwargs, out) -> Fix:
 # measured under a no-op dispatch mode, (32, 4) fp32: 2 input-sized tensors at once where real
 # tensors hold 1 (without pos_weight), 6 where they hold 3 (with it).
 _BCE_LOGITS_NODE = "BinaryCrossEntropyWithLogitsBackward0"
+_FIRST_MUL = "fxmem_pos_weight_mul"  # node metadata: the graph task whose pos_weight->mul(target) ran
 
 
 def _in_bce_with_logits_backward(op, in_place):
     def kernel(*args, **kwargs):
         node = torch._C._current_autograd_node()
-        if (node is not None and node.name() == _BCE_LOGITS_NODE and not torch.is_grad_enabled()
-                and args[0] is not node._saved_pos_weight):
-            return in_place(*args, **kwargs)
-        return op(*args, **kwargs)
+        if node is None or node.name() != _BCE_LOGITS_NODE or torch.is_grad_enabled():
+            return op(*args, **kwargs)
+        if op is aten.mul.Tensor and node._saved_pos_weight is not None:
+            # The formula's first mul, once per run of the node (one per graph task), is
+            # pos_weight->mul(target).  (The saved pos_weight is not the fake tensor the formula
+            # gets when it was a constant the capture made fake: identity cannot tell it.)
+            task = torch._C._current_graph_task_id()
+            if node.metadata.get(_FIRST_MUL) != task:
+                node.metadata[_FIRST_MUL] = task
+                return op(*args, **kwargs)
+        return in_place(*args, **kwargs)
 
     kernel.__name__ = f"{op.__name__.replace('.', '_')}_in_bce_with_logits_backward"
-    kernel.__doc__ = (f"``{op}`` inside ``{_BCE_LOGITS_NODE}`` without grad mode: ``{in_place}``, as real "
-                      "tensors run it (the table above), except ``pos_weight->mul(target)``, out of place for "
-                      "real too (its ``self`` is the node's saved ``pos_weight``); elsewhere the op.")
+    kernel.__doc__ = (f"``{op}`` inside ``{_BCE_LOGITS_NODE}`` without grad mode: ``{in_place}`` on the "
+                      "formula's own tensor, as real tensors run it (the table above), except "
+                      "``pos_weight->mul(target)``, out of place for real too; elsewhere the op.")
     return fake_kernel(op, targets=Target.CPU)(kernel)
 
 
