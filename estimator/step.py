@@ -490,11 +490,6 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
-def run_user(fn: StepFn, model: nn.Module, sample: Any, state: Any) -> Any:
-    """The user's step, ``fn(model, sample, state)``; returns what it returns."""
-    return fn(model, sample, state)
-
-
 def run(
     model,
     sample,

@@ -7,7 +7,9 @@ fxmem's built-in step does not cover: the output dropped before backward (Huggin
 weights, two optimizers (a GAN), several losses, two backwards through one graph, the optimizer
 step fused into backward, autocast with a ``GradScaler`` and clipping, Adagrad over frozen
 layers, test-time augmentation, and a nanoGPT-style loop.  ``validators/steps.py`` measures
-each against the same step run for real; the tests use them too.  Copy any of them as a
+each against the same step run for real on the CPU, ``validators/gpu.py`` on a GPU (the steps
+take their device from the model and the sample: ``x.new_ones``, ``torch.autocast(x.device.type)``,
+a ``GradScaler`` for the parameters' device); the tests use them too.  Copy any of them as a
 starting point for your own.
 """
 
@@ -35,9 +37,9 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-def net() -> nn.Module:
+def net(d: int = 32, hidden: int = 96) -> nn.Module:
     torch.manual_seed(0)
-    return Net()
+    return Net(d, hidden)
 
 
 def wide() -> nn.Module:
@@ -163,15 +165,17 @@ def fused_step(model, sample, state):
 
 
 def amp_state(model):
-    """AdamW and a ``GradScaler`` (it scales bf16 here only to exercise the scaler's own memory)."""
-    return torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    """AdamW and a ``GradScaler`` for the model's device (it scales bf16 here only to exercise the
+    scaler's own memory)."""
+    device = next(model.parameters()).device.type
+    return torch.optim.AdamW(model.parameters()), torch.amp.GradScaler(device, init_scale=2.0**4)
 
 
 def amp_step(model, sample, state):
     """bf16 autocast, scaled backward, unscale, clip, scaler step."""
     opt, scaler = state
     x, y = sample
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss = F.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
@@ -190,21 +194,21 @@ def tta(model, sample, state):
 
 # -- a GAN: two models, two optimizers ---------------------------------------------------------------
 class GAN(nn.Module):
-    def __init__(self, z: int = 16, d: int = 48):
+    def __init__(self, z: int = 16, d: int = 48, hidden: int = 64):
         super().__init__()
-        self.generator = nn.Sequential(nn.Linear(z, 64), nn.ReLU(), nn.Linear(64, d))
-        self.discriminator = nn.Sequential(nn.Linear(d, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+        self.generator = nn.Sequential(nn.Linear(z, hidden), nn.ReLU(), nn.Linear(hidden, d))
+        self.discriminator = nn.Sequential(nn.Linear(d, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, 1))
 
 
-def gan() -> nn.Module:
+def gan(z: int = 16, d: int = 48, hidden: int = 64) -> nn.Module:
     torch.manual_seed(0)
-    return GAN()
+    return GAN(z, d, hidden)
 
 
-def gan_data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gan_data(b: int, d: int = 48, z: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """``(real, z)``: ``b`` real samples and ``b`` latent vectors."""
     g = torch.Generator().manual_seed(2)
-    return torch.randn(b, 48, generator=g), torch.randn(b, 16, generator=g)
+    return torch.randn(b, d, generator=g), torch.randn(b, z, generator=g)
 
 
 def gan_state(model):
@@ -217,7 +221,7 @@ def gan_step(model, sample, state):
     real, z = sample
     opt_g, opt_d = state
     fake = model.generator(z)
-    ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+    ones, zeros = real.new_ones(real.shape[0], 1), real.new_zeros(real.shape[0], 1)
     d_loss = (F.binary_cross_entropy_with_logits(model.discriminator(real), ones)
               + F.binary_cross_entropy_with_logits(model.discriminator(fake.detach()), zeros))
     opt_d.zero_grad()
@@ -229,17 +233,17 @@ def gan_step(model, sample, state):
     opt_g.step()
 
 
-# -- a GPT loop (the zoo's GPT-2, debug size) -------------------------------------------------------------
-def gpt() -> nn.Module:
+# -- a GPT loop (the zoo's GPT-2, its debug size unless named) ------------------------------------------
+def gpt(size: str = "debug") -> nn.Module:
     import models_zoo
 
-    return models_zoo.get("gpt", "debug")[0]
+    return models_zoo.get("gpt", size)[0]
 
 
-def gpt_data(b: int) -> dict[str, torch.Tensor]:
+def gpt_data(b: int, size: str = "debug") -> dict[str, torch.Tensor]:
     import models_zoo
 
-    return models_zoo.get("gpt", "debug")[1](b)
+    return models_zoo.get("gpt", size)[1](b)
 
 
 def gpt_loop(model, sample, state):
@@ -247,7 +251,7 @@ def gpt_loop(model, sample, state):
     EMA weights, ``zero_grad(set_to_none=True)``."""
     opt, ema = state
     ids = sample["input_ids"]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         logits = model(ids)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()

@@ -86,9 +86,9 @@ def _top_level_aten(prof) -> list[str]:
 def _real_ops(model, sample, fn, optimizer) -> Counter:
     """The watched aten ops of the second real step (the first one builds the steady state)."""
     state = step.user_state(model, Mode.TRAIN, step.state_factory(optimizer))
-    step.run_user(fn, model, sample, state)
+    fn(model, sample, state)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step.run_user(fn, model, sample, state)
+        fn(model, sample, state)
     return Counter(name for name in _top_level_aten(prof) if name in WATCHED)
 
 

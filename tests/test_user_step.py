@@ -334,3 +334,28 @@ def test_a_step_that_grows_is_named():
     assert any("your step holds 4 B more when it returns" in n for n in rep.notes)
     assert not any("holds" in n and "more when it returns" in n
                    for n in estimator.report(net(), data(), step=loss_only).notes)
+
+
+def cuda_scaler_state(model):
+    return torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cuda")
+
+
+def cuda_scaler_step(model, x, state):
+    opt, scaler = state
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(x).float().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_cuda_target_keeps_the_users_cuda_grad_scaler():
+    # GradScaler("cuda") would disable itself without a GPU: on the CUDA target it scales, so its
+    # scale and growth tracker (4 B each, a 512 B block each on the GPU) are optimizer state.
+    rep = estimator.report(net(), data(16)[0], step=cuda_scaler_step, optimizer=cuda_scaler_state, device="cuda")
+    built_in = estimator.report(net(), data(16)[0], amp="fp16", device="cuda", keep_output=False)
+    state = list(Category).index(Category.OPTIMIZER_STATE)
+    assert rep.timeline.baseline[state](16) == built_in.timeline.baseline[state](16)
+    with pytest.warns(UserWarning):  # the mapping is gone: without a GPU a CUDA scaler disables itself again
+        assert not torch.amp.GradScaler("cuda").is_enabled()

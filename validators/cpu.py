@@ -140,12 +140,12 @@ def measure_user_step(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as setup:
         state = step.user_state(model, mode, factory)
         with checkpointing(model, strategy):
-            result = step.run_user(fn, model, sample, state)
+            result = fn(model, sample, state)
         del result
         gc.collect()
     kept = sum(delta for _, delta in _allocation_deltas(setup))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with checkpointing(model, strategy):
-            result = step.run_user(fn, model, sample, state)
+            result = fn(model, sample, state)
         del result
     return _measurement(before + kept, _allocation_deltas(prof))

@@ -1,14 +1,17 @@
 """Measure the real peak memory of a step on a CUDA device (run where a GPU is available).
 
-The same step as the estimator and the CPU measurement (``estimator.step.run``): one warm-up
-step (optimizer state, cuBLAS handle and workspace), ``empty_cache()``,
-``reset_peak_memory_stats()``, then one measured step.  Reads what users compare with:
+The same step as the estimator and the CPU measurement (``estimator.step.run``, or a user's own
+step: ``measure_cuda_user_step``): one warm-up step (optimizer state, cuBLAS handle and
+workspace), ``empty_cache()``, ``reset_peak_memory_stats()``, then one measured step.  Reads
+what users compare with:
 ``max_memory_allocated``, ``max_memory_reserved``, the allocator's ``memory_stats()`` and the
 device's used memory (NVML through ``torch.cuda.device_memory_used`` where available).
 """
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +51,80 @@ def measure_cuda(
     model = model.to(device)
     sample = tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
     mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
+    before = _clean_peak(device)
     result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler)
     torch.cuda.synchronize(device)
     del result
+    return _measured(device, before)
+
+
+def measure_cuda_user_step(
+    model: torch.nn.Module,
+    sample: Any,
+    fn: step.StepFn,
+    optimizer: str | step.StateFactory | None = "adamw",
+    mode: Mode | str = Mode.TRAIN,
+    device: str | torch.device = "cuda",
+) -> CudaMeasurement:
+    """A user's own step (``estimator.report(step=fn, device="cuda")``) measured as
+    ``measure_cuda`` measures the built-in one: ``model`` and ``sample`` moved to ``device``, the
+    state built from the moved model (``step.state_factory(optimizer)``: optimizers, an EMA copy,
+    a ``GradScaler`` for the parameters' device), one unmeasured step (the state it creates and
+    the tensors it leaves alive), ``empty_cache()``, ``reset_peak_memory_stats()``, the measured
+    step.  A ``GradScaler`` of the state that skipped ``optimizer.step()`` (inf/nan gradients)
+    in either step raises: the estimate assumes finite gradients."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("measure_cuda_user_step needs a CUDA device; none is available")
+    mode = Mode(mode)
+    device = torch.device(device)
+    model = model.to(device)
+    sample = tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
+    state = step.user_state(model, mode, step.state_factory(optimizer) if mode is Mode.TRAIN else None)
+    scalers = _scalers_in(state)
+    scales = [scaler.get_scale() for scaler in scalers]
+    result = fn(model, sample, state)
+    del result
+    scales = _check_scales("warm-up", scalers, scales)
+    gc.collect()
+    before = _clean_peak(device)
+    result = fn(model, sample, state)
+    torch.cuda.synchronize(device)
+    del result
+    measured = _measured(device, before)
+    _check_scales("measured", scalers, scales)
+    return measured
+
+
+def _check_scales(which: str, scalers: list[torch.amp.GradScaler], before: list[float]) -> list[float]:
+    """The scales after a step; raises if one fell (``GradScaler.update`` lowers the scale exactly
+    when it skipped ``optimizer.step()`` for inf/nan gradients)."""
+    after = [scaler.get_scale() for scaler in scalers]
+    if any(a < b for a, b in zip(after, before)):
+        raise RuntimeError(f"the {which} step's GradScaler found inf/nan gradients and skipped optimizer.step()")
+    return after
+
+
+def _scalers_in(state: Any) -> list[torch.amp.GradScaler]:
+    """The ``GradScaler``s of a user step's state: the state itself or in its tuples, lists, dicts."""
+    if isinstance(state, torch.amp.GradScaler):
+        return [state]
+    if isinstance(state, Mapping):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return [scaler for value in state for scaler in _scalers_in(value)]
+    return []
+
+
+def _clean_peak(device: torch.device) -> int:
+    """After the warm-up: the cache emptied, the peaks reset; returns ``memory_allocated()``."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _measured(device: torch.device, before: int) -> CudaMeasurement:
+    """The allocator's peaks since ``_clean_peak`` and the device's used memory now."""
     used = None
     if hasattr(torch.cuda, "device_memory_used"):
         try:

@@ -121,15 +121,15 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
     run of that step on a copy of the model (its optimizer step must not change the user's)."""
     training = model.training
     model.train(spec.mode is Mode.TRAIN)
+    if spec.step is None:
+        target = model
 
-    def forward():
-        with step.autocast(spec.precision, step.device_type(model, sample)):
-            out = step.call_model(model, sample)
-            if spec.mode is Mode.TRAIN:
-                spec.loss_fn(out, sample)
-
-    target = model
-    if spec.step is not None:
+        def forward():
+            with step.autocast(spec.precision, step.device_type(model, sample)):
+                out = step.call_model(model, sample)
+                if spec.mode is Mode.TRAIN:
+                    spec.loss_fn(out, sample)
+    else:
         memo: dict[int, Any] = {}
         target = copy.deepcopy(model, memo)
         fn = isolated(spec.step, memo)
@@ -137,7 +137,7 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
 
         def forward():
             with checkpointing(target, spec.strategy):
-                step.run_user(fn, target, sample, state)
+                fn(target, sample, state)
 
     try:
         with _errors_named(False):
@@ -388,7 +388,7 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         for optimizer in optimizers:
             corrections.apply_optimizer_rules(spec.target, optimizer)
         with checkpointing(fmodel, spec.strategy):
-            result = step.run_user(fn, fmodel, fsample, user_state)
+            result = fn(fmodel, fsample, user_state)
         del result
     gc.collect()
     state = step.user_state_tensors(fmodel, user_state, fsample)
@@ -403,7 +403,7 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
 
     def run_step(on_phase=lambda phase: None):  # the phases are found as the step runs (_phases)
         with checkpointing(fmodel, spec.strategy):
-            return step.run_user(fn, fmodel, fsample, user_state)
+            return fn(fmodel, fsample, user_state)
 
     return _WarmedUp(run_step, optimizers, state, kept, notes=notes)
 

@@ -400,23 +400,27 @@ def emulate():
 def device_autocast():
     """A user's own step on the CUDA target (``report(step=)``): its ``torch.autocast("cuda",
     dtype)`` regions (``torch.cuda.amp.autocast`` too) autocast the fake CPU tensors, with CUDA's
-    op lists (``emulate()``, active for the block).  Without a GPU, ``autocast("cuda")`` would
-    disable itself; its default dtype is CUDA's (``torch.get_autocast_dtype("cuda")``: fp16).
+    op lists (``emulate()``, active for the block), and its ``torch.amp.GradScaler("cuda")``
+    scales as on the GPU.  Without a GPU both would disable themselves; autocast's default dtype
+    is CUDA's (``torch.get_autocast_dtype("cuda")``: fp16).
 
-    ``torch.amp.autocast_mode.autocast.__init__`` is wrapped for the block (every alias --
-    ``torch.autocast``, ``torch.amp.autocast``, ``torch.cuda.amp.autocast`` -- constructs through
-    it) and restored on exit."""
-    cls = torch.amp.autocast_mode.autocast
-    original = cls.__init__
+    ``torch.amp.autocast_mode.autocast.__init__`` and ``torch.amp.GradScaler.__init__`` are
+    wrapped for the block (every alias -- ``torch.autocast``, ``torch.cuda.amp.autocast``,
+    ``torch.cuda.amp.GradScaler`` -- constructs through them) and restored on exit."""
+    autocast, scaler = torch.amp.autocast_mode.autocast, torch.amp.GradScaler
+    original_autocast, original_scaler = autocast.__init__, scaler.__init__
 
-    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+    def autocast_init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
         if device_type == "cuda":
             device_type, dtype = "cpu", torch.get_autocast_dtype("cuda") if dtype is None else dtype
-        original(self, device_type, dtype, enabled, cache_enabled)
+        original_autocast(self, device_type, dtype, enabled, cache_enabled)
 
-    cls.__init__ = __init__
+    def scaler_init(self, device="cuda", *args, **kwargs):
+        original_scaler(self, "cpu" if device == "cuda" else device, *args, **kwargs)
+
+    autocast.__init__, scaler.__init__ = autocast_init, scaler_init
     try:
         with emulate():
             yield
     finally:
-        cls.__init__ = original
+        autocast.__init__, scaler.__init__ = original_autocast, original_scaler
