@@ -156,7 +156,7 @@ class ItemIf(nn.Module):
         self.l = nn.Linear(16, 4)
 
     def forward(self, x):
-        if x.sum().item() > 0:  # data-dependent Python control flow
+        if (x.sum() > 0).item():  # data-dependent Python control flow (a bool: no default value)
             return self.l(x)
         return -self.l(x)
 
@@ -176,7 +176,7 @@ def test_data_dependent_value_on_meta_weights_says_why():
     with pytest.raises(CaptureError, match="meta device") as err:
         estimator.report(model, x8(), mode="inference")
     assert isinstance(err.value, FxmemError)
-    assert "if x.sum().item() > 0:" in str(err.value) and __file__ in str(err.value)  # the user's line
+    assert "if (x.sum() > 0).item():" in str(err.value) and __file__ in str(err.value)  # the user's line
 
 
 def test_model_that_raises_names_the_line():

@@ -3,8 +3,6 @@ its range of validity, and right outside it (b = 1, concrete fallback)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import sympy
 import torch
@@ -13,17 +11,11 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator import CapturePath, InputError
+from session_cache import zoo_report  # one report per (model, mode, batch), shared with tests/test_events.py
 from validators.cpu import measure_cpu
 
 ZOO = ["mlp", "gpt", "resnet"]
 MODES = ["train", "inference"]
-
-
-@functools.cache
-def zoo_report(name: str, mode: str, batch: int):
-    """One report per (model, mode, batch), shared by the tests of this module."""
-    model, make_sample, loss_fn = models_zoo.get(name, "debug")
-    return estimator.report(model, make_sample(8), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -205,13 +197,12 @@ def test_concrete_fallback_matches_fresh_capture(mode):
     # buffers are rounded to 4 KiB pages, so memory is linear in b only up to that rounding:
     # exact at the requested batch, within 2 % of a fresh capture elsewhere (measured: at most
     # 1.4 % at b = 3 in train), and the report says so.
-    model, make_sample, loss_fn = models_zoo.get("rnn", "debug")
-    rep = estimator.report(model, make_sample(8), mode=mode, loss_fn=loss_fn)
+    rep = zoo_report("rnn", mode, 8)
     assert rep.path is CapturePath.CONCRETE
     assert any("symbolic capture failed" in n and "rounded to 4 KiB pages" in n for n in rep.notes)
     assert rep.at(8) == rep.peak_bytes
     for b in (3, 17, 40):
-        fresh = estimator.report(model, make_sample(8), batch=b, mode=mode, loss_fn=loss_fn).peak_bytes
+        fresh = zoo_report("rnn", mode, b).peak_bytes
         assert abs(rep.at(b) - fresh) <= 0.02 * fresh
 
 

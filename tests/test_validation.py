@@ -2,7 +2,16 @@
 
 Tolerance: |estimate - measured| / measured <= 0.5 %, the issue's median-error target, applied to
 every case: every zoo model's ``debug`` size, and every convolution family of ``convnets`` in
-fp32 and bf16 (validators.zoo.cases), at b = 2, 8, 32, on the host that runs the tests.
+fp32 and bf16 (validators.zoo.cases), in train and inference, on the host that runs the tests.
+
+Batch sizes (suite time): b = 2 and 32 in fp32, b = 32 in bf16.  The branches the batch size
+decides are all taken by these two: host kernels of a symbolic capture are measured at b = 2, 3
+and 4 for b = 2, at b = 2, 3, b (and b + 1 for a kernel that changes regime) for any b > 4
+(estimator/target/cpu.py ``price``, ``_regimes``); a CPU convolution's backend choice reads
+b >= 16 (estimator/corrections/cpu/conv.py); the concrete fallback captures b, b + 1 and 4b for
+any b (estimator/capture/path.py ``_concrete``).  b = 8 adds no branch: its kernels are measured
+as b = 32's are and, below 16 like b = 2's, fit one line.
+``python -m validators`` runs the full matrix: b = 2, 8, 32 for every case.
 """
 
 from __future__ import annotations
@@ -11,21 +20,23 @@ import pytest
 import torch
 from torch import nn
 
+from session_cache import compare
 from validators import zoo
 from validators.cpu import measure_cpu
 
 TOLERANCE = 0.005  # 0.5 %: the issue's median target
 
 
-# bf16 convolution families at b = 32 only here (suite time); python -m validators runs all three.
-CASES = [(*case, b) for case in zoo.cases() for b in (2, 8, 32) if case[2] == "fp32" or b == 32]
+# b = 2 and 32 (fp32), 32 (bf16) here (suite time, see above); python -m validators runs 2, 8, 32 for all.
+CASES = [(*case, b) for case in zoo.cases() for b in (2, 32) if case[2] == "fp32" or b == 32]
 
 
 @pytest.mark.parametrize("mode", ["train", "inference"])
 @pytest.mark.parametrize("name, size, dtype, b", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_zoo_estimate_matches_cpu(name, size, dtype, b, mode):
     # compare() makes a fresh instance for the measurement: nothing the estimator did can influence it
-    row = zoo.compare(name, size, mode, b, dtype)
+    # (validators.zoo.compare, once per session: tests/test_fastpath.py's rows are the same calls)
+    row = compare(name, size, mode, b, dtype)
     assert abs(row.error) <= 100 * TOLERANCE, (
         f"{name} {size} {dtype} {mode} b={b}: estimated {row.predicted:,} B, measured {row.measured:,} B, "
         f"error {row.error:+.3f} % ({row.capture} capture)"
