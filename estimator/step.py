@@ -433,13 +433,13 @@ def user_state(model: nn.Module, mode: Mode, factory: StateFactory | None) -> An
     return _built(factory, model)
 
 
-def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
-    """The optimizers in a user step's state: the state itself, or inside its tuples, lists,
+def instances_in(state: Any, cls: type) -> list:
+    """The ``cls`` objects in a user step's state: the state itself, or inside its tuples, lists,
     dicts and the attributes of plain objects (each once, in order)."""
-    found: dict[int, torch.optim.Optimizer] = {}
+    found: dict[int, Any] = {}
 
     def walk(value, depth: int) -> None:
-        if isinstance(value, torch.optim.Optimizer):
+        if isinstance(value, cls):
             found.setdefault(id(value), value)
         elif depth > 4 or isinstance(value, (torch.Tensor, nn.Module, str, bytes, type, *_NOT_STATE)):
             return
@@ -455,6 +455,11 @@ def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
 
     walk(state, 0)
     return list(found.values())
+
+
+def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in a user step's state (``instances_in``)."""
+    return instances_in(state, torch.optim.Optimizer)
 
 
 def user_state_tensors(model: nn.Module, state: Any, sample: Any) -> dict[Category, dict[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from estimator import step
 from estimator.categories import Mode
 from estimator.strategy import checkpointing
+from validators import steady
 from validators.steady import skipped, warm_up
 
 
@@ -131,7 +132,9 @@ def measure_user_step(
     The bytes alive when the measured step starts are measured too, not listed: the model's
     parameters, buffers and held tensors and the sample, plus the net allocator delta of building
     the state and running the first step (whatever the step keeps: optimizer state, gradients it
-    does not free, an EMA copy).  ``strategy``: ``Strategy(checkpoint=...)`` only."""
+    does not free, an EMA copy).  ``strategy``: ``Strategy(checkpoint=...)`` only.  A
+    ``GradScaler`` of the state that skipped ``optimizer.step()`` in either step raises (as
+    ``measure_cpu``): the estimate assumes finite gradients."""
     mode = Mode(mode)
     strategy = strategy or step.DEFAULT
     factory = step.state_factory(optimizer) if mode is Mode.TRAIN else None
@@ -139,13 +142,16 @@ def measure_user_step(
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as setup:
         state = step.user_state(model, mode, factory)
+        scalers, scales = steady.scales(state)
         with checkpointing(model, strategy):
             result = fn(model, sample, state)
         del result
         gc.collect()
+    scales = steady.check_scales("warm-up", scalers, scales)
     kept = sum(delta for _, delta in _allocation_deltas(setup))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with checkpointing(model, strategy):
             result = fn(model, sample, state)
         del result
+    steady.check_scales("measured", scalers, scales)
     return _measurement(before + kept, _allocation_deltas(prof))

@@ -11,7 +11,6 @@ device's used memory (NVML through ``torch.cuda.device_memory_used`` where avail
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from estimator import step
 from estimator.categories import Mode
+from validators import steady
 from validators.steady import warm_up
 
 
@@ -80,39 +80,18 @@ def measure_cuda_user_step(
     model = model.to(device)
     sample = tree_map_only(torch.Tensor, lambda t: t.to(device), sample)
     state = step.user_state(model, mode, step.state_factory(optimizer) if mode is Mode.TRAIN else None)
-    scalers = _scalers_in(state)
-    scales = [scaler.get_scale() for scaler in scalers]
+    scalers, scales = steady.scales(state)
     result = fn(model, sample, state)
     del result
-    scales = _check_scales("warm-up", scalers, scales)
+    scales = steady.check_scales("warm-up", scalers, scales)
     gc.collect()
     before = _clean_peak(device)
     result = fn(model, sample, state)
     torch.cuda.synchronize(device)
     del result
     measured = _measured(device, before)
-    _check_scales("measured", scalers, scales)
+    steady.check_scales("measured", scalers, scales)
     return measured
-
-
-def _check_scales(which: str, scalers: list[torch.amp.GradScaler], before: list[float]) -> list[float]:
-    """The scales after a step; raises if one fell (``GradScaler.update`` lowers the scale exactly
-    when it skipped ``optimizer.step()`` for inf/nan gradients)."""
-    after = [scaler.get_scale() for scaler in scalers]
-    if any(a < b for a, b in zip(after, before)):
-        raise RuntimeError(f"the {which} step's GradScaler found inf/nan gradients and skipped optimizer.step()")
-    return after
-
-
-def _scalers_in(state: Any) -> list[torch.amp.GradScaler]:
-    """The ``GradScaler``s of a user step's state: the state itself or in its tuples, lists, dicts."""
-    if isinstance(state, torch.amp.GradScaler):
-        return [state]
-    if isinstance(state, Mapping):
-        state = list(state.values())
-    if isinstance(state, (list, tuple)):
-        return [scaler for value in state for scaler in _scalers_in(value)]
-    return []
 
 
 def _clean_peak(device: torch.device) -> int:

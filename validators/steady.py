@@ -44,3 +44,19 @@ def skipped(scaler, scale_before: float | None, optimizer) -> bool:
     """Whether the step just run skipped ``optimizer.step()``: ``GradScaler.update`` lowers the
     scale exactly when a gradient was inf/nan."""
     return scaler is not None and optimizer is not None and scaler.get_scale() < scale_before
+
+
+def scales(state) -> tuple[list[torch.amp.GradScaler], list[float]]:
+    """The ``GradScaler``s of a user step's state (``step.instances_in``) and their scales now."""
+    scalers = step.instances_in(state, torch.amp.GradScaler)
+    return scalers, [scaler.get_scale() for scaler in scalers]
+
+
+def check_scales(which: str, scalers: list[torch.amp.GradScaler], before: list[float]) -> list[float]:
+    """The scales after a user's step; raises if one fell (``GradScaler.update`` lowers the scale
+    exactly when it skipped ``optimizer.step()`` for inf/nan gradients: the estimate assumes
+    finite ones)."""
+    after = [scaler.get_scale() for scaler in scalers]
+    if any(a < b for a, b in zip(after, before)):
+        raise RuntimeError(f"the {which} step's GradScaler found inf/nan gradients and skipped optimizer.step()")
+    return after

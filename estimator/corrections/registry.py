@@ -478,12 +478,17 @@ def _wrapped_scalar_bytes(func, args, out) -> int:
 _SAVES_OTHER = {aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
 
 
+def _number_other(func, args) -> bool:
+    """``func`` is one of ``_SAVES_OTHER`` and its ``other`` a Python number."""
+    return func in _SAVES_OTHER and len(args) >= 2 and type(args[1]) in (int, float)
+
+
 def _saved_scalars(func, args) -> int:
     """1 when autograd keeps the wrapped number of ``x * 0.5`` / ``x / 2`` for backward: ``other``
     is a Python number, ``self`` requires grad and grad mode is on.  The 0-dim double lives as
     long as the autograd node (measured: ``tanh(0.5 * h)`` ten times keeps 10 x 8 B until
     backward).  The CUDA target keeps it in host memory: not counted there."""
-    if func not in _SAVES_OTHER or len(args) < 2 or type(args[1]) not in (int, float):
+    if not _number_other(func, args):
         return 0
     return int(torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad)
 
@@ -491,7 +496,7 @@ def _saved_scalars(func, args) -> int:
 def _reused_scalar(func, args) -> int:
     """1 in the backward of ``x * 0.5`` / ``x / 2`` (``grad * other``): the wrapped number is the one
     autograd saved (``Tracker`` marks its node), not a new 8 B tensor (only the dtype copy is)."""
-    if func not in _SAVES_OTHER or len(args) < 2 or type(args[1]) not in (int, float):
+    if not _number_other(func, args):
         return 0
     node = torch._C._current_autograd_node()
     return int(node is not None and "fxmem_saved_scalars" in node.metadata)
