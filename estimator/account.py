@@ -8,11 +8,12 @@ op ``i + 1``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from estimator.capture.trace import RawCapture
-from estimator.categories import Category, Phase
+from estimator.capture.trace import RawCapture, RunMarks
+from estimator.categories import Born, Category, Phase
 from estimator.symbolic import ZERO, Poly, fit
 
 CATEGORIES = tuple(Category)
@@ -67,6 +68,10 @@ class Timeline:
     # or an optimizer temporary of (None for everything else); empty when unknown.
     owners: tuple[str | None, ...] = ()
     grad_order: tuple[str, ...] = ()  # parameters in the order backward's AccumulateGrad reached them
+    # For each storage alive before the step: when it came to be in a run from a cold start (None:
+    # made by the step; empty when unknown: then all of it is loaded first, in storage order).
+    births: tuple[Born | None, ...] = ()
+    marks: RunMarks = RunMarks()  # where the run's first step makes its lazy state
 
     def alive_at(self, index: int):
         """The storages alive while op ``index`` runs."""
@@ -95,7 +100,7 @@ class Timeline:
             for op in self.ops
         )
         storages = tuple((f(nbytes), *rest) for nbytes, *rest in self.storages)
-        return Timeline(vec(self.baseline), ops, storages, self.owners, self.grad_order)
+        return dataclasses.replace(self, baseline=vec(self.baseline), ops=ops, storages=storages)
 
 
 def _sum(vector: Vector) -> Poly:
@@ -141,7 +146,8 @@ def account(raw: RawCapture) -> Timeline:
             total -= storage.nbytes
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
-    return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order)
+    return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
+                    tuple(s.born for s in raw.storages.values()), raw.marks)
 
 
 def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:
@@ -170,7 +176,7 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
     storages = first.storages
     if all(len(t.storages) == len(storages) for t in timelines):
         storages = tuple((line([t.storages[k][0] for t in timelines]),) + storages[k][1:] for k in range(len(storages)))
-    return Timeline(fit_vector([t.baseline for t in timelines]), ops, storages, first.owners, first.grad_order)
+    return dataclasses.replace(first, baseline=fit_vector([t.baseline for t in timelines]), ops=ops, storages=storages)
 
 
 def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[object, int]] = ()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Category(str, enum.Enum):
@@ -37,3 +38,23 @@ class Target(str, enum.Enum):
 
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class Birth(str, enum.Enum):
+    """When a tensor alive before the step came to be, in a run from a cold start (the CUDA
+    target replays a run: ``estimator.target.cuda``)."""
+
+    LOAD = "model load"  # parameters and buffers: model.to(device), in Module._apply's order
+    SETUP = "setup"  # built before the first step: optimizer state made by the constructor, an EMA copy
+    BATCH = "batch"  # the step's inputs: a new batch every step
+    BACKWARD = "first backward"  # gradients a step keeps, a GradScaler's scale: made by the first step
+    OPTIMIZER = "first optimizer step"  # optimizer state made lazily by the first optimizer.step()
+
+
+@dataclass(frozen=True)
+class Born:
+    """``Birth`` and an order: LOAD: the position in ``Module._apply``'s walk; OPTIMIZER: which
+    optimizer (its index in the step's optimizers)."""
+
+    when: Birth
+    order: int = 0

@@ -18,12 +18,13 @@ from estimator.capture import path as capture_path
 from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
+from estimator.corrections.cuda import cudnn
 from estimator.errors import InputError
 from estimator.report.result import ModuleRow, Piece, RankReport, Report
 from estimator.strategy import DEFAULT, Strategy, blocks, select
 from estimator.strategy.ranks import per_rank
 from estimator.symbolic import ZERO, Poly, nondominated
-from estimator.target import cuda
+from estimator.target import cuda, gpus
 from estimator.target.spec import target_spec
 from estimator.units import as_int
 
@@ -353,8 +354,10 @@ def _result(request: _Request, step_: Captured) -> Report:
     """The report of ``request`` from its captured step: one device's, or every rank's."""
     spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
     notes = [*request.notes, *step_.notes]
-    if spec.target.is_cuda:
-        notes.append(cuda.not_modelled_note())
+    if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
+        notes += [cuda.not_modelled_note(), *gpus.estimated_notes(spec.target.context_bytes),
+                  *cudnn.estimated_notes(step_.at_batch or step_.timeline, step_.graph, spec.target, batch,
+                                         step_.seq, per_device=not strategy.distributed)]
     if strategy.multiple > 1:
         notes.append(_batch_note(strategy))
     if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
@@ -379,7 +382,8 @@ def _result(request: _Request, step_: Captured) -> Report:
         "data_dependent": step_.data_dependent,
     }
     if not strategy.distributed:
-        return _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
+        rep = _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
+        return rep if rep.cuda is None else dataclasses.replace(rep, notes=(*rep.notes, cuda.run_note(rep.cuda)))
 
     def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
         return poly(batch, step_.seq) if poly.has_s else poly(batch)
@@ -393,6 +397,8 @@ def _result(request: _Request, step_: Captured) -> Report:
     worst = max(per, key=lambda r: (r.report.peak_bytes if r.report.cuda is None else r.report.cuda.device))
     pieces = [p for r in per for p in r.report.pieces]
     keep = nondominated([p.bytes for p in pieces], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    if worst.report.cuda is not None:
+        notes.append(cuda.run_note(worst.report.cuda))
     return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
 
 

@@ -292,7 +292,7 @@ def test_seq_makes_fit_give_the_longest_sequence():
     (["--seq", "input_ids:x"], "expected KEY:DIM"),
     (["--seq", "ids:1"], "does not have"),
     (["--alloc-conf", "max_split_size_mb:128"], "needs --device cuda"),
-    (["--device", "cuda", "--alloc-conf", "expandable_segments:True"], "expandable_segments"),
+    (["--device", "cuda", "--alloc-conf", "large_segment_size_mb:40"], "large_segment_size_mb"),
 ])
 def test_bad_target_and_seq_flags(args, message):
     result = CliRunner().invoke(cli, ["report", "gpt", *args, "-q"])

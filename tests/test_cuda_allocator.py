@@ -15,6 +15,7 @@ from estimator.target.cuda_allocator import (
     AllocatorStats,
     CachingAllocatorModel,
     OutOfMemory,
+    SegmentKind,
     UnsupportedAllocatorConfig,
     get_allocation_size,
     replay,
@@ -147,6 +148,19 @@ def test_peak_allocated_survives_frees():
         12 * MiB, 24 * MiB, 24 * MiB, 24 * MiB)
 
 
+def test_reset_peak_stats():
+    a = CachingAllocatorModel()
+    x = a.malloc(12 * MiB)
+    a.malloc(14 * MiB)
+    a.free(x)
+    a.empty_cache()  # the free 12 MiB segment released: reserved 14, peaks 26
+    a.reset_peak_stats()  # resetPeakStats: every peak becomes its current value
+    s = a.stats
+    assert (s.peak_allocated, s.peak_reserved, s.peak_requested) == (14 * MiB, 14 * MiB, 14 * MiB)
+    a.free(a.malloc(MiB))  # 1 MiB in a new 2 MiB small segment: peaks 15 and 16 MiB
+    assert (a.stats.peak_allocated, a.stats.peak_reserved) == (15 * MiB, 16 * MiB)
+
+
 # --- capacity: release and retry, out of memory ---------------------------------------------
 def test_capacity_releases_cached_segments_and_retries():
     a = CachingAllocatorModel(capacity=24 * MiB)
@@ -269,14 +283,18 @@ def test_parse_values():
     assert cfg.max_split_size == 128 * MiB
     assert cfg.roundup_power2_divisions == (4,) * 16
     assert AllocatorConfig.parse("expandable_segments:False,backend:native") == AllocatorConfig()
+    cfg = AllocatorConfig.parse("expandable_segments:True")
+    assert cfg.expandable_segments and cfg == AllocatorConfig(expandable_segments=True)
+    cfg = AllocatorConfig.parse("per_process_memory_fraction:0.8, garbage_collection_threshold:0.6")
+    assert (cfg.per_process_memory_fraction, cfg.garbage_collection_threshold) == (0.8, 0.6)
+    assert AllocatorConfig.parse("per_process_memory_fraction:1").per_process_memory_fraction == 1.0
 
 
 @pytest.mark.parametrize("conf, option", [
-    ("expandable_segments:True", "expandable_segments"),
-    ("max_split_size_mb:128,garbage_collection_threshold:0.6", "garbage_collection_threshold"),
     ("backend:cudaMallocAsync", "backend"),
     ("release_lock_on_cudamalloc:True", "release_lock_on_cudamalloc"),
-    ("per_process_memory_fraction:0.5", "per_process_memory_fraction"),
+    ("expandable_segments:True,large_segment_size_mb:40", "large_segment_size_mb"),
+    ("throw_on_cudamalloc_oom:True", "throw_on_cudamalloc_oom"),
 ])
 def test_unsupported_options(conf, option):
     with pytest.raises(UnsupportedAllocatorConfig) as exc:
@@ -298,6 +316,11 @@ def test_unsupported_options(conf, option):
     ("max_split_size:128", "Unrecognized"),
     ("backend:foo", "unknown allocator backend"),
     ("expandable_segments:yes", "True/False"),
+    ("garbage_collection_threshold:1.0", "(0.0, 1.0)"),  # the source requires (0, 1)
+    ("garbage_collection_threshold:0", "(0.0, 1.0)"),
+    ("garbage_collection_threshold:abc", "number"),
+    ("per_process_memory_fraction:1.5", "[0.0, 1.0]"),
+    ("per_process_memory_fraction:-0.1", "[0.0, 1.0]"),
 ])
 def test_malformed_config(conf, fragment):
     with pytest.raises(AllocatorConfigError) as exc:
@@ -328,3 +351,272 @@ def test_replay():
 def test_replay_rejects_bad_events(events):
     with pytest.raises(InputError):
         replay(events)
+
+
+# --- expandable_segments:True ------------------------------------------------------------------
+EXP = AllocatorConfig.parse("expandable_segments:True")
+GiB = 2**30
+# A 1 GiB device: each expandable segment reserves 9/8 GiB = 1152 MiB of address space, in pages
+# of 20 MiB (kLargeBuffer, large pool): ceil(1152 / 20) = 58 pages = 1160 MiB; or of 2 MiB
+# (kSmallBuffer, small pool): 576 pages = 1152 MiB.
+LARGE_VA, SMALL_VA = 1160 * MiB, 1152 * MiB
+
+
+def test_expandable_segment_grows_instead_of_new_segments():
+    native, exp = CachingAllocatorModel(), CachingAllocatorModel(EXP, device_total=GiB)
+    for a in (native, exp):
+        for _ in range(3):
+            a.malloc(12 * MiB)
+    # native: 12 MiB >= kMinLargeAlloc -> a 12 MiB segment each: 3 segments, 36 MiB
+    assert (native.stats.reserved, native.stats.segments) == (36 * MiB, 3)
+    # expandable, one segment mapped a 20 MiB page at a time: #1 maps page 0 (reserved 20),
+    # takes 12, 8 free; #2: no free block >= 12 -> the free 8 before the unmapped rest plus one
+    # more page (reserved 40) = 28 free, takes 12, 16 free; #3 takes 12 of the 16, 4 free.
+    # map_block counts no segment (segment.all.current stays 0).
+    s = exp.stats
+    assert (s.allocated, s.reserved, s.segments) == (36 * MiB, 40 * MiB, 0)
+    assert exp.snapshot() == ((SegmentKind.LARGE_EXPANDABLE, (
+        (12 * MiB, True), (12 * MiB, True), (12 * MiB, True), (4 * MiB, False),
+        (LARGE_VA - 40 * MiB, None))),)  # the unmapped rest of the virtual range
+    # without a device size the virtual range is just bigger: same figures
+    assert replay([("alloc", i, 12 * MiB) for i in range(3)], EXP).reserved == 40 * MiB
+
+
+def test_expandable_frees_keep_pages_and_empty_cache_unmaps_them():
+    a = CachingAllocatorModel(EXP, device_total=GiB)
+    x, y, z = (a.malloc(12 * MiB) for _ in range(3))  # [x 12][y 12][z 12][4 free]: 40 MiB mapped
+    a.free(x)
+    a.free(y)  # [24 free][z 12][4 free]: freeing never unmaps
+    assert (a.stats.allocated, a.stats.reserved) == (12 * MiB, 40 * MiB)
+    a.empty_cache()
+    # the free [0, 24) MiB holds page 0 = [0, 20) wholly: unmapped; [20, 24) stays mapped, free.
+    # The free [36, 40) holds no whole page (page 1 is [20, 40)). Reserved 40 - 20 = 20 MiB.
+    assert (a.stats.allocated, a.stats.reserved, a.stats.peak_reserved) == (
+        12 * MiB, 20 * MiB, 40 * MiB)
+    assert a.snapshot() == ((SegmentKind.LARGE_EXPANDABLE, (
+        (20 * MiB, None), (4 * MiB, False), (12 * MiB, True), (4 * MiB, False),
+        (LARGE_VA - 40 * MiB, None))),)
+    w = a.malloc(16 * MiB)
+    # no free block >= 16 MiB (4, 4): find_expandable_block takes the lowest unmapped range, the
+    # 20 MiB gap at 0, maps its page (reserved 40) which merges with the free [20, 24) into 24;
+    # 16 taken, 8 free
+    assert (a.stats.allocated, a.stats.reserved) == (28 * MiB, 40 * MiB)
+    assert a.snapshot()[0][1][:4] == (
+        (16 * MiB, True), (8 * MiB, False), (12 * MiB, True), (4 * MiB, False))
+    a.free(w)
+    a.free(z)  # all merged: one free 40 MiB block
+    a.empty_cache()  # both pages unmapped; the segment, all unmapped, is released
+    assert (a.stats.reserved, a.stats.peak_reserved, a.snapshot()) == (0, 40 * MiB, ())
+
+
+def test_expandable_small_and_large_pools():
+    a = CachingAllocatorModel(EXP, device_total=GiB)
+    a.malloc(1000)  # small pool (round 1024): a small segment maps one 2 MiB page
+    a.malloc(3 * MiB)  # large pool: another segment, one 20 MiB page
+    assert (a.stats.allocated, a.stats.reserved) == (3 * MiB + 1024, 22 * MiB)
+    assert a.snapshot() == (
+        (SegmentKind.SMALL_EXPANDABLE, (
+            (1024, True), (2 * MiB - 1024, False), (SMALL_VA - 2 * MiB, None))),
+        (SegmentKind.LARGE_EXPANDABLE, (
+            (3 * MiB, True), (17 * MiB, False), (LARGE_VA - 20 * MiB, None))),
+    )
+    a.malloc(MiB)  # from the 2 MiB - 1024 free: rest 1 MiB - 1024 >= 512 -> split
+    a.malloc(MiB)  # the 1 MiB - 1024 free is too small: it and a second 2 MiB page (reserved
+    # 24) make 3 MiB - 1024 free; 1 MiB taken, 2 MiB - 1024 free
+    assert (a.stats.allocated, a.stats.reserved) == (5 * MiB + 1024, 24 * MiB)
+    assert a.snapshot()[0] == (SegmentKind.SMALL_EXPANDABLE, (
+        (1024, True), (MiB, True), (MiB, True), (2 * MiB - 1024, False),
+        (SMALL_VA - 4 * MiB, None)))
+
+
+def test_expandable_splits_any_remainder_of_512_bytes():
+    native, exp = CachingAllocatorModel(), CachingAllocatorModel(EXP, device_total=GiB)
+    for a in (native, exp):
+        a.malloc(19 * MiB + 512 * KiB)
+    # native: a 20 MiB segment, rest 0.5 MiB <= kSmallSize: not split -> allocated 20 MiB.
+    # should_split with expandable segments: rest >= 512 B in any pool -> allocated 19.5 MiB
+    assert native.stats.allocated == 20 * MiB
+    assert (exp.stats.allocated, exp.stats.reserved) == (19 * MiB + 512 * KiB, 20 * MiB)
+
+
+def test_expandable_segments_avoid_a_fragmentation_out_of_memory():
+    def step(a):
+        x = a.malloc(16 * MiB)
+        a.free(x)
+        a.malloc(12 * MiB)
+        c = a.malloc(16 * MiB)
+        a.free(c)
+        a.malloc(12 * MiB)
+        a.malloc(16 * MiB)
+
+    # native: x -> a 16 MiB segment; 12 MiB taken from it (rest 4 > 1 MiB: split); c -> a second
+    # 16 MiB segment (reserved 32); 12 MiB from it (another 4 MiB sliver); the last 16 MiB fits
+    # neither sliver, a third segment needs 48 > 40 and the split segments cannot be freed
+    with pytest.raises(OutOfMemory) as exc:
+        step(CachingAllocatorModel(capacity=40 * MiB))
+    assert (exc.value.allocated, exc.value.reserved, exc.value.free) == (
+        24 * MiB, 32 * MiB, 8 * MiB)
+    # expandable: x maps a 20 MiB page, freed: 20 free; 12 taken, 8 free; c maps a second page
+    # after the free 8 -> 28, takes 16, 12 free; freed: 28 free; 12 taken, 16 free; the last
+    # 16 MiB takes it exactly: 40 MiB allocated in 40 MiB mapped
+    a = CachingAllocatorModel(EXP, capacity=40 * MiB)
+    step(a)
+    assert (a.stats.allocated, a.stats.reserved) == (40 * MiB, 40 * MiB)
+
+
+def test_expandable_out_of_memory_retry_unmaps_free_pages():
+    a = CachingAllocatorModel(EXP, capacity=24 * MiB)
+    a.free(a.malloc(12 * MiB))  # large segment: one 20 MiB page, all free
+    for _ in range(4):
+        a.malloc(MiB)  # small segment: two 2 MiB pages, 4 x 1 MiB: reserved 24 = capacity
+    a.malloc(MiB)
+    # a third small page: 24 + 2 > 24 fails; release_cached_blocks unmaps the free large page
+    # (reserved 4; that segment, all unmapped, is released); the retry maps it: reserved 6
+    s = a.stats
+    assert (s.allocated, s.reserved, s.peak_reserved) == (5 * MiB, 6 * MiB, 24 * MiB)
+    # device total = capacity = 24 MiB: small range 27 MiB -> 14 pages = 28 MiB, 22 unmapped
+    assert a.snapshot() == ((SegmentKind.SMALL_EXPANDABLE, (
+        (MiB, True),) * 5 + ((MiB, False), (22 * MiB, None))),)
+    with pytest.raises(OutOfMemory) as exc:
+        a.malloc(20 * MiB)  # needs 6 + 20 > 24, nothing free to unmap (the 1 MiB free is small)
+    assert (exc.value.alloc_size, exc.value.free) == (20 * MiB, 18 * MiB)
+
+
+# --- per_process_memory_fraction and garbage_collection_threshold ------------------------------
+GC = "per_process_memory_fraction:0.5,garbage_collection_threshold:0.5"
+
+
+def test_memory_fraction_caps_reserved():
+    a = CachingAllocatorModel(AllocatorConfig.parse("per_process_memory_fraction:0.5"),
+                              capacity=100 * MiB)
+    a.malloc(30 * MiB)
+    with pytest.raises(OutOfMemory) as exc:
+        a.malloc(30 * MiB)  # allowed = int(0.5 x 100 MiB) = 50 MiB < 30 + 30; nothing cached
+    e = exc.value
+    assert (e.capacity, e.allowed, e.free, e.reserved) == (50 * MiB, 50 * MiB, 20 * MiB, 30 * MiB)
+    assert "allowed" in str(e)
+    with pytest.raises(InputError, match="capacity"):  # the cap needs the device's size
+        CachingAllocatorModel(AllocatorConfig.parse("per_process_memory_fraction:0.5"))
+
+
+def _gc_sequence(a):
+    for mb in (12, 14, 16, 18):
+        a.free(a.malloc(mb * MiB))  # none fits the next: 4 cached segments, 60 MiB
+    a.malloc(80 * MiB)
+    a.malloc(64 * MiB)
+    return a.stats
+
+
+def test_garbage_collection_frees_the_oldest_cached_segments_first():
+    a = CachingAllocatorModel(AllocatorConfig.parse(GC), capacity=400 * MiB)
+    # allowed = 0.5 x 400 = 200 MiB; collection when over 0.5 x 200 = 100 MiB reserved.
+    # Each malloc ticks the large pool's clock once: the 12, 14, 16, 18 MiB blocks are cached at
+    # ticks 1, 2, 3, 4; the 80 MiB (tick 5): 60 <= 100, no collection, reserved 140; the 64 MiB
+    # (tick 6): nothing cached fits, 140 > 100: reclaim 40.  Ages 5, 4, 3, 2, average 3.5: the
+    # 12 and 14 go (26 < 40); again with the average of 3 and 2 = 2.5: the 16 goes (42 >= 40);
+    # the 18 stays.  Reserved 140 - 42 + 64 = 162 MiB in the 18, 80 and 64 MiB segments.
+    s = _gc_sequence(a)
+    assert (s.reserved, s.peak_reserved, s.segments) == (162 * MiB, 162 * MiB, 3)
+    assert [blocks for _, blocks in a.snapshot()] == [
+        ((18 * MiB, False),), ((80 * MiB, True),), ((64 * MiB, True),)]
+    # device_total alone sizes the fraction the same way (no capacity limit)
+    assert _gc_sequence(CachingAllocatorModel(
+        AllocatorConfig.parse(GC), device_total=400 * MiB)).reserved == 162 * MiB
+
+
+def test_garbage_collection_goes_by_age_not_size():
+    a = CachingAllocatorModel(AllocatorConfig.parse("max_split_size_mb:20," + GC),
+                              capacity=400 * MiB)
+    a.free(a.malloc(60 * MiB))  # tick 1, cached at 1
+    for mb in (12, 14, 16):  # ticks 2, 3, 4: the oversize 60 MiB block (>= max_split_size)
+        a.free(a.malloc(mb * MiB))  # serves no request below 20 MiB: new segments, 102 MiB
+    a.malloc(18 * MiB)
+    # tick 5: nothing fits; 102 > 100: reclaim 2.  Ages: 12 -> 3, 14 -> 2, 16 -> 1, 60 -> 4,
+    # average 2.5: one pass frees the 12 and the 60, the two oldest, not the smaller 14 and 16
+    # (it does not stop at the target).  Reserved 102 - 72 + 18 = 48 MiB in 3 segments.
+    assert (a.stats.reserved, a.stats.segments) == (48 * MiB, 3)
+
+
+def test_garbage_collection_frees_blocks_exactly_as_old_as_the_average():
+    a = CachingAllocatorModel(AllocatorConfig.parse(
+        "per_process_memory_fraction:0.5,garbage_collection_threshold:0.4"), capacity=120 * MiB)
+    # allowed = 0.5 x 120 = 60 MiB; collection over int(0.4 x 60 MiB) = 24 MiB reserved
+    x, y = a.malloc(12 * MiB), a.malloc(14 * MiB)  # ticks 1, 2
+    a.free(x)
+    a.free(y)  # both cached at tick 2
+    a.malloc(16 * MiB)
+    # tick 3: nothing fits; 26 > 24: ages 1 and 1, average 1: both are >= it and go;
+    # reserved 0 + 16 (a strict > would keep both: 26 + 16 = 42)
+    assert (a.stats.reserved, a.stats.segments) == (16 * MiB, 1)
+
+
+def test_garbage_collection_threshold_alone_does_nothing():
+    # no fraction below 1: allowed_memory_maximum is unset, so get_free_block keeps no clock and
+    # malloc never collects: reserved 60 + 80 + 64 = 204 MiB in 6 segments
+    s = _gc_sequence(CachingAllocatorModel(
+        AllocatorConfig.parse("garbage_collection_threshold:0.5"), capacity=400 * MiB))
+    assert (s.reserved, s.segments) == (204 * MiB, 6)
+    s = _gc_sequence(CachingAllocatorModel(AllocatorConfig.parse(
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0")))  # no device size
+    assert (s.reserved, s.segments) == (204 * MiB, 6)
+
+
+# --- snapshot ----------------------------------------------------------------------------------
+def test_snapshot_is_the_layout_up_to_addresses():
+    def build(a):
+        x = a.malloc(12 * MiB)
+        a.malloc(14 * MiB)
+        a.malloc(1000)
+        a.free(x)
+
+    a = CachingAllocatorModel()
+    build(a)
+    # segments in address order: [12 free], [14 allocated], small [1024 allocated][rest free]
+    assert a.snapshot() == (
+        (SegmentKind.LARGE, ((12 * MiB, False),)),
+        (SegmentKind.LARGE, ((14 * MiB, True),)),
+        (SegmentKind.SMALL, ((1024, True), (2 * MiB - 1024, False))),
+    )
+    b = CachingAllocatorModel()
+    b.free(b.malloc(20 * MiB))
+    b.empty_cache()  # b's segments now lie 20 MiB higher, and b has made more requests
+    build(b)
+    assert b.snapshot() == a.snapshot() and len({a.snapshot(), b.snapshot()}) == 1  # hashable
+    c = CachingAllocatorModel()
+    build(c)
+    c.malloc(12 * MiB)  # the cached 12 MiB segment allocated again
+    assert c.snapshot() != a.snapshot()
+    d = CachingAllocatorModel()
+    d.malloc(14 * MiB)
+    x = d.malloc(12 * MiB)
+    d.malloc(1000)
+    d.free(x)  # the same blocks, the 12 MiB segment after the 14 MiB one
+    assert d.snapshot() != a.snapshot()
+    e = CachingAllocatorModel(EXP)
+    build(e)  # the same requests in expandable segments: another layout
+    assert [kind for kind, _ in e.snapshot()] == [
+        SegmentKind.LARGE_EXPANDABLE, SegmentKind.SMALL_EXPANDABLE]
+
+
+def test_snapshot_of_an_output_held_across_steps_repeats_every_second_step():
+    # out = model(x) in a loop: the new output is allocated while the previous one is alive
+    a = CachingAllocatorModel()
+    prev = None
+    snapshots = []
+    for _ in range(5):
+        out = a.malloc(12 * MiB)
+        tmp = a.malloc(3000)
+        a.free(tmp)
+        if prev is not None:
+            a.free(prev)
+        prev = out
+        snapshots.append(a.snapshot())
+    # step 0: out in segment A (12 MiB); step 1: A is busy -> segment B, then A freed;
+    # step 2: out takes the free A, B freed; step 3: B again ... the two 12 MiB segments
+    # alternate, so the layout repeats with period 2 and never equals the step before
+    small = (SegmentKind.SMALL, ((2 * MiB, False),))
+    a_busy = ((SegmentKind.LARGE, ((12 * MiB, True),)), small,
+              (SegmentKind.LARGE, ((12 * MiB, False),)))
+    b_busy = ((SegmentKind.LARGE, ((12 * MiB, False),)), small,
+              (SegmentKind.LARGE, ((12 * MiB, True),)))
+    assert snapshots[1:] == [b_busy, a_busy, b_busy, a_busy]

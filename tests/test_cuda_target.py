@@ -62,13 +62,17 @@ def test_linear_inference_on_cuda_allocator_figures_are_exact():
     # weight 256*256*4 = 262,144 B, input and output 4*256*4 = 4,096 B each: all <= 1 MiB, so in
     # one 2 MiB small-pool segment; one cuBLAS workspace (forward only) of 32 MiB, its own segment.
     assert rep.cuda.workspaces == 1
-    assert rep.peak_bytes == 262_144 + 4_096 + 4_096 + WS_H100 == 33_824_768
-    assert rep.reserved_bytes == 2 * 2**20 + WS_H100 == 35_651_584
+    assert rep.cuda.step_allocated == 262_144 + 4_096 + 4_096 + WS_H100 == 33_824_768
+    # A run (out = model(x) in a loop): the previous output lives until the next call returns.
+    assert rep.cuda.carried == 4_096
+    assert rep.peak_bytes == 33_824_768 + 4_096
+    assert rep.reserved_bytes == rep.cuda.step_reserved == 2 * 2**20 + WS_H100 == 35_651_584
     assert rep.device_bytes == rep.reserved_bytes + DEFAULT_CONTEXT_BYTES
     assert rep.overheads[Overhead.ALLOCATOR_ROUNDING] == 0  # every size is a multiple of 512
-    assert rep.overheads[Overhead.ALLOCATOR_CACHE] == 2 * 2**20 - 270_336
+    assert rep.overheads[Overhead.PREVIOUS_OUTPUT] == 4_096
+    assert rep.overheads[Overhead.ALLOCATOR_CACHE] == 2 * 2**20 - 270_336 - 4_096
     assert rep.at(4) == rep.peak_bytes
-    assert rep.peak.subs(estimator.B, 4) == rep.peak_bytes  # formula = tensors + workspace (no rounding here)
+    assert rep.peak.subs(estimator.B, 4) == rep.cuda.step_allocated  # one step: tensors + workspace
 
 
 def test_training_holds_two_cublas_workspaces_and_a_conv_net_none():
@@ -90,9 +94,11 @@ def test_small_tensors_round_to_512_bytes():
     model, x = nn.Linear(3, 1), torch.randn(2, 3)
     rep = estimator.report(model, x, mode="inference", device="cuda", gpu="H100")
     # weight 12 B, bias 4 B, input 24 B, output 8 B: each one 512-byte block;
-    # torch.addmm's output is the only op output; 4 blocks = 2,048 B + the 32 MiB workspace.
-    assert rep.peak_bytes == 4 * 512 + WS_H100
-    assert rep.overheads[Overhead.ALLOCATOR_ROUNDING] == 4 * 512 - (12 + 4 + 24 + 8)
+    # torch.addmm's output is the only op output; 4 blocks = 2,048 B + the 32 MiB workspace; in a
+    # run, the previous step's output (8 B: one more block) until the next call returns.
+    assert rep.cuda.step_allocated == 4 * 512 + WS_H100
+    assert rep.peak_bytes == 5 * 512 + WS_H100
+    assert rep.overheads[Overhead.ALLOCATOR_ROUNDING] == 5 * 512 - (12 + 4 + 24 + 8 + 8)
 
 
 def test_fits_and_max_batch_use_the_gpu_memory_and_the_allocator():
@@ -115,8 +121,8 @@ def test_cpu_budget_is_required_and_cuda_arguments_need_cuda():
         estimator.report(nn.Linear(4, 4), torch.randn(2, 4), gpu="H100")
     with pytest.raises(InputError, match="unknown GPU 'H1000'"):
         estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", gpu="H1000")
-    with pytest.raises(InputError, match="expandable_segments"):
-        estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", alloc_conf="expandable_segments:True")
+    with pytest.raises(InputError, match="large_segment_size_mb"):  # a known option not modelled
+        estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", alloc_conf="large_segment_size_mb:40")
 
 
 def test_default_gpu_is_named_in_the_notes():

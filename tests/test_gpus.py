@@ -1,6 +1,7 @@
 """GPU table, resolve_gpu and the cuBLAS / cuBLASLt workspace sizes (CublasHandlePool.cpp)."""
 
 import pytest
+import torch
 
 from estimator.errors import InputError
 from estimator.target.gpus import (
@@ -197,9 +198,54 @@ def test_unknown_name_typo_suggests():
         resolve_gpu("L40x")
 
 
-def test_ambiguous_name_refused():
-    with pytest.raises(InputError, match="ambiguous"):
-        resolve_gpu("A100")
+@pytest.mark.parametrize("typed,name,memory", [
+    # The smaller-memory variant of each family (gpus._FAMILIES): budgeted for it, a batch fits both.
+    ("A100", "NVIDIA A100-SXM4-40GB", 42_298_834_944),   # deviceQuery, observed
+    (" a100 ", "NVIDIA A100-SXM4-40GB", 42_298_834_944),
+    ("A100 PCIe", "NVIDIA A100-SXM4-40GB", 42_298_834_944),
+    ("V100", "Tesla V100-SXM2-16GB", 17_179_869_184),    # nominal 16 * 2**30
+    ("Tesla V100", "Tesla V100-SXM2-16GB", 17_179_869_184),
+])
+def test_family_name_takes_a_variant_and_remembers_the_name(typed, name, memory):
+    spec = resolve_gpu(typed)
+    assert (spec.name, spec.total_memory, spec.taken_for) == (name, memory, typed.strip())
+    assert spec == resolve_gpu(name)  # the same GPU; only the report's wording differs
+    assert resolve_gpu(name).taken_for is None
+
+
+def test_family_variant_is_described_with_its_memory():
+    # 42,298,834,944 B / 2**30 = 39.39 GiB: the default budget of max_batch / fits.
+    assert resolve_gpu("A100").describe() == (
+        'NVIDIA A100-SXM4-40GB, taken for "A100"; memory differs between variants: budgets use this '
+        "one's 39.39 GiB, say \"A100 80GB\" for the NVIDIA A100-SXM4-80GB")
+    assert resolve_gpu("V100").describe().startswith('Tesla V100-SXM2-16GB, taken for "V100"; memory differs')
+    # a name that says the variant, or a name with one variant, describes itself by its name only
+    for typed in ("A100 80GB", "V100-32GB", "H100", "sm_80", "24GiB"):
+        assert resolve_gpu(typed).describe() == resolve_gpu(typed).name
+    # the other variant is reachable with the name the description suggests
+    assert resolve_gpu("A100 80GB").name == "NVIDIA A100-SXM4-80GB"
+    assert resolve_gpu("V100 32GB").name == "Tesla V100-SXM2-32GB"
+
+
+def test_family_variant_in_the_report_first_line_and_budget():
+    import estimator
+
+    rep = estimator.report(torch.nn.Linear(8, 4), torch.randn(2, 8), optimizer="sgd", device="cuda", gpu="A100")
+    first = str(rep).splitlines()[0]
+    assert '(NVIDIA A100-SXM4-40GB, taken for "A100"; memory differs between variants' in first
+    # the default budget is the variant's memory (less the CUDA context), as the line says
+    assert rep.max_batch() == rep.max_batch(42_298_834_944)
+    assert rep.target.gpu.taken_for == "A100"
+
+
+def test_cli_accepts_a_family_name():
+    from click.testing import CliRunner
+
+    from estimator.cli import cli
+
+    result = CliRunner().invoke(cli, ["report", "mlp", "--device", "cuda", "--gpu", "V100", "-q"])
+    assert result.exit_code == 0, result.output
+    assert 'device cuda (Tesla V100-SXM2-16GB, taken for "V100"; memory differs' in result.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("bad", ["banana", "80 parsecs", True, 3.5, -5, "rtx 9999"])

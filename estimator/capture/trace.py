@@ -33,7 +33,7 @@ from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model
                                     sample_rows)
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
-from estimator.categories import Category, Mode, Phase
+from estimator.categories import Birth, Born, Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
 from estimator.strategy import DEFAULT, Strategy, checkpointing
@@ -60,6 +60,18 @@ class StepSpec:
     step: step.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
 
 
+@dataclass(frozen=True)
+class RunMarks:
+    """Where in the recorded step a real run's first step makes its state (``Born``), by op index:
+    ``optimizer_starts[i]``: the op optimizer ``i``'s ``step()`` starts at (None: not stepped);
+    ``model_returns``: the op the built-in step's model call returns before (there the previous
+    step's ``out = model(x)`` is rebound and freed; None for a user's step, whose step function
+    returns before the next one starts)."""
+
+    optimizer_starts: tuple[int | None, ...] = ()
+    model_returns: int | None = None
+
+
 @dataclass
 class RawCapture:
     """The events of one captured step; bytes already polynomials in ``b``."""
@@ -78,6 +90,7 @@ class RawCapture:
     notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
     data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
     freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
+    marks: RunMarks = RunMarks()  # where a run's first step makes its state
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -209,12 +222,14 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
             warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
         run_step, optimizers = warm.run_step, warm.optimizers
         _register_state(tracker, warm.state, warm.kept, _host_state(spec, optimizers))
+        _mark_births(tracker, fmodel, warm.state, warm.lazy)
         warm.state, warm.kept = {}, []  # the step alone decides what stays alive (zero_grad() frees the gradients)
         _name_owners(tracker, fmodel, optimizers)
         before = _model_state(fmodel)
         phases = _phases(tracker, fmodel) if user else contextlib.nullcontext()
         dd.new_step()
-        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker), phases:
+        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker), phases, \
+                _run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks:
             result = run_step(_on_phase(tracker, fmodel))
         tracker.flush()
         after = _model_state(fmodel)
@@ -245,9 +260,10 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
-                          freed_first=tuple(tracker.freed_first))
+                          freed_first=tuple(tracker.freed_first), marks=marks["marks"])
     raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
+    raw.marks = marks["marks"]
     return raw
 
 
@@ -319,7 +335,8 @@ def _full_batch(fsample, k: int, batch_dims: tuple[int, ...] | None = None):
 class _WarmedUp:
     """A step at its steady state: ``run_step(on_phase)`` runs it; ``state`` the tensors alive
     before it by category; ``kept`` the storages a user's step keeps that no tensor names;
-    ``constructed`` the ids of the parameters the optimizer gave state when constructed."""
+    ``constructed`` the ids of the parameters the optimizer gave state when constructed;
+    ``lazy`` the state a real run's first step makes (``_lazy_births``)."""
 
     run_step: Any
     optimizers: list
@@ -327,6 +344,53 @@ class _WarmedUp:
     kept: list = field(default_factory=list)
     constructed: set[int] = field(default_factory=set)
     notes: tuple[str, ...] = ()
+    lazy: dict[int, Born] = field(default_factory=dict)
+
+
+def _lazy_births(optimizers: list, constructed: set[int], scalers: list) -> dict[int, Born]:
+    """``id(tensor) -> Born`` of the state a real run's first step makes: each optimizer's state
+    but what its constructor made (Adagrad), made by its first ``step()``
+    (``Optimizer._init_group``/``_init_state`` run inside it); a ``GradScaler``'s scale and growth
+    tracker, made by its first ``scale(loss)`` (counted from the first backward)."""
+    born = {}
+    for i, optimizer in enumerate(optimizers):
+        for param, values in optimizer.state.items():
+            if id(param) not in constructed:
+                born |= {id(v): Born(Birth.OPTIMIZER, i) for v in values.values() if isinstance(v, torch.Tensor)}
+    for scaler in scalers:
+        born |= {id(t): Born(Birth.BACKWARD) for t in step.scaler_state(scaler).values()}
+    return born
+
+
+def _mark_births(tracker: Tracker, model: nn.Module, state: dict, lazy: dict[int, Born]) -> None:
+    """``Storage.born`` of the state alive before the step: parameters and buffers in the order
+    ``model.to(device)`` moves them (``Module._apply``: children first, then the module's own
+    parameters, then its buffers; tensors it holds elsewhere after them), inputs a new batch per
+    step, gradients a step keeps made by the first backward, optimizer state by ``lazy`` (else
+    made before the first step: an EMA copy, a constructor's state, what a user's step keeps)."""
+
+    def walk(module: nn.Module):
+        for child in module.children():
+            yield from walk(child)
+        yield from (t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
+
+    order = {}
+    for t in walk(model):
+        order.setdefault(tracker.key_of(t), len(order))
+    by_category = {Category.INPUT: Born(Birth.BATCH), Category.GRADIENT: Born(Birth.BACKWARD)}
+    for category, tensors in state.items():
+        for t in tensors.values():
+            key = tracker.key_of(t)
+            if key is None or tracker.storages[key].born is not None:
+                continue
+            if category in (Category.PARAMETER, Category.BUFFER):
+                born = Born(Birth.LOAD, order.get(key, len(order)))
+            else:
+                born = by_category.get(category) or lazy.get(id(t), Born(Birth.SETUP))
+            tracker.storages[key].born = born
+    for stored in tracker.storages.values():  # storages no tensor names (a user's step keeps them)
+        if stored.op < 0 and stored.born is None:
+            stored.born = Born(Birth.SETUP)
 
 
 def _register_state(tracker: Tracker, state: dict, kept: list, on_host: set[int]) -> None:
@@ -352,7 +416,7 @@ def _built_in_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, real: RealTens
 
     optimizers = [] if optimizer is None else [optimizer]
     return _WarmedUp(run_step, optimizers, step.state_tensors(fmodel, optimizer, fsample, scaler),
-                     constructed=constructed)
+                     constructed=constructed, lazy=_lazy_births(optimizers, constructed, [scaler] if scaler else []))
 
 
 def _warm_up(model: nn.Module, optimizer, scaler) -> None:
@@ -387,6 +451,7 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         optimizers = step.optimizers_in(user_state)
         for optimizer in optimizers:
             corrections.apply_optimizer_rules(spec.target, optimizer)
+        constructed = {id(p) for optimizer in optimizers for p, values in optimizer.state.items() if values}
         with checkpointing(fmodel, spec.strategy):
             result = fn(fmodel, fsample, user_state)
         del result
@@ -405,7 +470,33 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         with checkpointing(fmodel, spec.strategy):
             return fn(fmodel, fsample, user_state)
 
-    return _WarmedUp(run_step, optimizers, state, kept, notes=notes)
+    lazy = _lazy_births(optimizers, constructed, step.instances_in(user_state, torch.amp.GradScaler))
+    return _WarmedUp(run_step, optimizers, state, kept, notes=notes, lazy=lazy)
+
+
+@contextlib.contextmanager
+def _run_marks(tracker: Tracker, model: nn.Module, optimizers: list, watch_model: bool):
+    """``RunMarks`` of the recorded step: the op each optimizer's ``step()`` starts at and, with
+    ``watch_model`` (the built-in step), the op the first call of the model returns before;
+    yields a dict whose ``"marks"`` is set when the step has run."""
+    starts: dict[int, int] = {}
+    returns: list[int] = []
+    index = {id(optimizer): i for i, optimizer in enumerate(optimizers)}
+
+    def step_started(optimizer, *_):
+        if id(optimizer) in index:
+            starts.setdefault(index[id(optimizer)], len(tracker.ops))
+
+    handles = [torch_optimizer.register_optimizer_step_pre_hook(step_started)]
+    if watch_model:
+        handles.append(model.register_forward_hook(lambda *_: returns.append(len(tracker.ops))))
+    found: dict[str, RunMarks] = {}
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+    found["marks"] = RunMarks(tuple(starts.get(i) for i in range(len(optimizers))), returns[0] if returns else None)
 
 
 @contextlib.contextmanager
@@ -491,7 +582,7 @@ def _host_state(spec: StepSpec, optimizers: list) -> set[int]:
 
 
 def _with_bytes(storage: Storage, nbytes: Poly) -> Storage:
-    return Storage(nbytes, storage.category, storage.op, owner=storage.owner)  # extra folded into nbytes
+    return dataclasses.replace(storage, nbytes=nbytes, extra=0)  # extra folded into nbytes
 
 
 def _batch_symbols(fsample, batch_dims: tuple[int, ...] | None = None) -> tuple[set[sympy.Symbol], set[sympy.Symbol]]:

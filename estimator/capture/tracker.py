@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
 from estimator.capture.graph import GraphRecorder
-from estimator.categories import Category, Phase
+from estimator.categories import Born, Category, Phase
 from estimator.symbolic import as_expr
 from estimator.target.cpu import KernelCall
 from estimator.target.spec import TargetSpec
@@ -39,6 +39,7 @@ class Storage:
     op: int  # index of the op that allocated it; -1 for state alive before the step
     extra: Any = 0  # bytes a correction adds (the real kernel's buffer beyond the meta kernel's)
     owner: str | None = None  # the parameter a parameter, gradient or optimizer-state storage belongs to
+    born: Born | None = None  # state alive before the step: when it came to be in a run (None: made by the step)
 
 
 @dataclass

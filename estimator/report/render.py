@@ -18,7 +18,7 @@ def table(rep) -> str:
     lines = [
         f"fxmem: {rep.model}, {rep.mode.value}"
         + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
-        + f", device {rep.device}" + (f" ({rep.target.gpu.name})" if rep.cuda is not None else "")
+        + f", device {rep.device}" + (f" ({rep.target.gpu.describe()})" if rep.cuda is not None else "")
         + f", batch {rep.batch}" + (f", sequence length {rep.seq}" if rep.seq is not None else ""),
         f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) in the {rep.peak_piece.phase.value} phase"
         f" at {rep.peak_piece.op}" + (f" in {rep.peak_piece.module}" if rep.peak_piece.module else ""),
@@ -86,13 +86,17 @@ def _cuda_rows(rep) -> list[list[str]]:
     def row(label: str, value: int, formula: str = "") -> list[str]:
         return [label, format_bytes(value), f"{value:,}", formula]
 
+    carried = [row(Overhead.PREVIOUS_OUTPUT.value, over[Overhead.PREVIOUS_OUTPUT], "out = model(x) in a loop")]
     return [
         row(Overhead.CUBLAS_WORKSPACE.value, over[Overhead.CUBLAS_WORKSPACE],
             f"{rep.cuda.workspaces} × {rep.cuda.workspace // max(rep.cuda.workspaces, 1):,}"),
+        *(carried if rep.cuda.carried else []),
         row(Overhead.ALLOCATOR_ROUNDING.value, over[Overhead.ALLOCATOR_ROUNDING], "512 B blocks"),
-        row("= max_memory_allocated", rep.peak_bytes, f"≈ {rep.peak_piece.bytes}"),
+        row("= max_memory_allocated", rep.peak_bytes,
+            f"≈ {rep.peak_piece.bytes}" + (" + the previous output" if rep.cuda.carried else "")),
         row(Overhead.ALLOCATOR_CACHE.value, over[Overhead.ALLOCATOR_CACHE], f"{rep.cuda.segments} segments at the end"),
-        row("= max_memory_reserved", rep.reserved_bytes),
+        row("= max_memory_reserved", rep.reserved_bytes,
+            f"a run of {rep.cuda.steps} steps; one step after empty_cache(): {rep.cuda.step_reserved:,}"),
         row(Overhead.CUDA_CONTEXT.value + " (estimate)", over[Overhead.CUDA_CONTEXT], "outside the allocator"),
         row("= device memory (nvidia-smi)", rep.device_bytes),
     ]
@@ -143,5 +147,9 @@ def to_dict(rep) -> dict[str, Any]:
             "overheads": {k.value: v for k, v in rep.overheads.items()},
             "cublas_workspaces": rep.cuda.workspaces,
             "segments": rep.cuda.segments,
+            "run_steps": rep.cuda.steps,
+            "run_repeated": rep.cuda.repeated,
+            "step_max_memory_allocated": rep.cuda.step_allocated,
+            "step_max_memory_reserved": rep.cuda.step_reserved,
         },
     }

@@ -116,7 +116,8 @@ class Report:
         tensors = sum(self.breakdown.values())
         return {
             Overhead.CUBLAS_WORKSPACE: self.cuda.workspace,
-            Overhead.ALLOCATOR_ROUNDING: self.cuda.allocated - tensors - self.cuda.workspace,
+            Overhead.PREVIOUS_OUTPUT: self.cuda.carried,
+            Overhead.ALLOCATOR_ROUNDING: self.cuda.allocated - tensors - self.cuda.workspace - self.cuda.carried,
             Overhead.ALLOCATOR_CACHE: self.cuda.reserved - self.cuda.allocated,
             Overhead.CUDA_CONTEXT: self.cuda.context,
         }

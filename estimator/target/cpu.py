@@ -180,14 +180,31 @@ class Measured:
 
 
 @functools.cache
-def cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's name and, where the name alone does not identify it (a virtual machine shows
+    "AMD EPYC" for several generations), its family, model, stepping, cache size and a digest
+    of its feature flags: kernels choose their buffers by these (oneDNN by ISA extensions and
+    cache sizes), so two hosts that differ in them measure differently."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    ident = [f"{key} {info[key]}" for key in ("cpu family", "model", "stepping", "cache size") if info.get(key)]
+    if info.get("flags"):
+        ident.append("flags " + hashlib.sha1(" ".join(sorted(info["flags"].split())).encode()).hexdigest()[:8])
+    return f"{name} ({', '.join(ident)})" if ident else name
 
 
 def host() -> dict[str, Any]:

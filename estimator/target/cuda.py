@@ -3,8 +3,11 @@
 ``predict(timeline, b, spec)`` replays the step's allocations at batch size ``b`` through the
 model of ``c10/cuda/CUDACachingAllocator.cpp`` (``cuda_allocator``), with the cuBLAS
 workspaces the step makes PyTorch hold, and returns what ``torch.cuda.max_memory_allocated``,
-``max_memory_reserved`` and nvidia-smi would show.  The timeline must come from a capture
-with the CUDA target (``estimator.corrections``: CUDA kernels and defaults).
+``max_memory_reserved`` and nvidia-smi would show, twice: over a run from a cold start (the
+model loaded, a first step that makes the optimizer state, steady steps without
+``empty_cache()``: ``cuda_run``), which is what a user's job shows, and for one steady step
+after ``empty_cache()`` with the state packed first (``step_*``).  The timeline must come from a
+capture with the CUDA target (``estimator.corrections``: CUDA kernels and defaults).
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from estimator.account import Timeline, allocation_events
+from estimator.account import Timeline
 from estimator.categories import Phase
 from estimator.corrections.cuda import not_modelled
-from estimator.target.cuda_allocator import replay
+from estimator.target.cuda_run import replay_run, replay_step
 from estimator.target.gpus import cublas_workspace_bytes, cublaslt_extra_bytes
 from estimator.target.spec import TargetSpec
 
@@ -30,6 +33,7 @@ class Overhead(str, enum.Enum):
     """Memory on a CUDA device besides the tensors of the step."""
 
     CUBLAS_WORKSPACE = "cuBLAS workspace"  # held by PyTorch per (thread, stream); in max_memory_allocated
+    PREVIOUS_OUTPUT = "previous step's output"  # a loop's `out`/`loss` alive until the next model call returns
     ALLOCATOR_ROUNDING = "allocator rounding"  # blocks rounded to 512 B / 2 MiB; in max_memory_allocated
     ALLOCATOR_CACHE = "allocator cache"  # reserved segments not allocated at the peak
     CUDA_CONTEXT = "CUDA context"  # driver context and kernels; outside the allocator, seen by nvidia-smi
@@ -37,15 +41,20 @@ class Overhead(str, enum.Enum):
 
 @dataclass(frozen=True)
 class CudaMemory:
-    """The predicted device memory of one step at one batch size (bytes)."""
+    """The predicted device memory of a run at one batch size (bytes)."""
 
     batch: int
-    allocated: int  # torch.cuda.max_memory_allocated()
-    reserved: int  # torch.cuda.max_memory_reserved()
+    allocated: int  # torch.cuda.max_memory_allocated() after a run from a cold start
+    reserved: int  # torch.cuda.max_memory_reserved() after that run: what the job holds
     context: int  # the CUDA context and loaded kernels (outside the allocator)
     workspace: int  # cuBLAS workspaces held (part of ``allocated``)
     workspaces: int  # how many: one per thread that runs matmuls (forward: main, backward: autograd)
-    segments: int  # allocator segments held at the end of the step
+    segments: int  # allocator segments held at the end of the run
+    step_allocated: int = 0  # max_memory_allocated() of one step after a warm-up step and empty_cache()
+    step_reserved: int = 0  # max_memory_reserved() of that step
+    steps: int = 1  # steps the run replayed (until the allocator's state repeated)
+    repeated: bool = True  # whether it repeated within cuda_run.MAX_STEPS (else: the max over those)
+    carried: int = 0  # the previous step's output and loss alive at the run's allocated peak (a loop's `out`)
 
     @property
     def device(self) -> int:
@@ -54,7 +63,12 @@ class CudaMemory:
 
 
 def cublas_workspaces(timeline: Timeline) -> int:
-    """How many cuBLAS workspaces the step holds.
+    """How many cuBLAS workspaces the step holds (``cublas_first_uses``)."""
+    return len(cublas_first_uses(timeline))
+
+
+def cublas_first_uses(timeline: Timeline) -> list[int]:
+    """The first op of each thread that runs cuBLAS matmuls: each holds a workspace from then on.
 
     ``getCurrentCUDABlasHandle`` (aten/src/ATen/cuda/CublasHandlePool.cpp) reserves a handle
     per *thread* (``thread_local myPoolWindow``) and ``setWorkspaceForHandle`` allocates one
@@ -63,12 +77,12 @@ def cublas_workspaces(timeline: Timeline) -> int:
     (torch/csrc/autograd/engine.cpp, one thread per device): two workspaces when both run
     matmuls.
     """
-    threads = set()
-    for op in timeline.ops:
+    first: dict[bool, int] = {}
+    for i, op in enumerate(timeline.ops):
         namespace, _, rest = op.op.partition(".")
         if namespace == "aten" and rest.split(".")[0] in CUBLAS_OPS:
-            threads.add(op.phase is Phase.BACKWARD)
-    return len(threads)
+            first.setdefault(op.phase is Phase.BACKWARD, i)
+    return sorted(first.values())
 
 
 def workspace_bytes(spec: TargetSpec) -> int:
@@ -79,22 +93,35 @@ def workspace_bytes(spec: TargetSpec) -> int:
 
 
 def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None = None) -> CudaMemory:
-    """Replay the step at ``b`` through the caching-allocator model.
-
-    The state alive before the step (parameters, buffers, optimizer state, inputs) is
-    allocated first, then the workspaces (the warm-up step allocated them), then the step.
-    ``capacity`` (bytes the allocator may reserve) raises ``OutOfMemory`` when exceeded.
-    """
-    count, size = cublas_workspaces(timeline), workspace_bytes(spec)
-    workspaces = [(("cublas workspace", i), size) for i in range(count)]
-    stats = replay(allocation_events(timeline, b, workspaces), spec.allocator, capacity)
-    return CudaMemory(b, stats.peak_allocated, stats.peak_reserved, spec.context_bytes, count * size, count,
-                      stats.segments)
+    """Replay a run (``cuda_run.replay_run``) and one step after a warm-up step and
+    ``empty_cache()`` (``cuda_run.replay_step``) at ``b`` through the caching-allocator model.
+    ``capacity`` (bytes the allocator may reserve) raises ``OutOfMemory`` when exceeded."""
+    firsts, size = cublas_first_uses(timeline), workspace_bytes(spec)
+    workspaces = [(i, size) for i in firsts]
+    total = None if spec.gpu is None else spec.gpu.total_memory
+    step = replay_step(timeline, b, spec.allocator, workspaces, capacity, total)
+    run = replay_run(timeline, b, spec.allocator, workspaces, capacity, total)
+    stats = run.stats
+    return CudaMemory(b, stats.peak_allocated, stats.peak_reserved, spec.context_bytes, len(firsts) * size,
+                      len(firsts), stats.segments, step.peak_allocated, step.peak_reserved, run.steps, run.repeated,
+                      run.carried)
 
 
 def not_modelled_note() -> str:
     gaps = "; ".join(not_modelled())
     return (
         "CUDA target: kernels, optimizer defaults, cuBLAS workspaces and the caching allocator are modelled "
-        "from PyTorch's source; the CUDA context is an estimate" + (f"; not modelled: {gaps}" if gaps else "")
+        "from PyTorch's source (the CUDA context is estimated: its own note)" + (f"; not modelled: {gaps}" if gaps else "")
     )
+
+
+def run_note(memory: CudaMemory) -> str:
+    """How the run's figures were found, and the single-step figures beside them."""
+    how = (f"the allocator's state repeats from step {memory.steps}" if memory.repeated else
+           f"the figures were unchanged over the last steps of {memory.steps}, the small blocks' layout still shifting")
+    carried = (f"; the previous step's output and loss, alive until the next model call returns (out = model(x) in a "
+               f"loop), hold {memory.carried:,} B at the run's peak" if memory.carried else "")
+    return (f"CUDA: max_memory_allocated/reserved are those of a run from a cold start (model.to('cuda'), the "
+            f"optimizer state made by the first optimizer.step(), steps without empty_cache(): {how}){carried}; "
+            f"one step after a warm-up step and empty_cache() (a benchmark's protocol): "
+            f"{memory.step_allocated:,} B allocated, {memory.step_reserved:,} B reserved")

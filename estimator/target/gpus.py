@@ -1,4 +1,5 @@
-"""GPU target facts: a small table of NVIDIA GPUs and the cuBLAS workspace PyTorch allocates.
+"""GPU target facts: a small table of NVIDIA GPUs, the cuBLAS workspace PyTorch allocates and the
+CUDA context's size.
 
 Memory figures
 --------------
@@ -29,7 +30,9 @@ and ``CUBLAS_WORKSPACE_CONFIG`` is parsed with ``std::regex exp(":([0-9]+):([0-9
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -45,6 +48,7 @@ __all__ = [
     "cublas_workspace_bytes",
     "cublaslt_extra_bytes",
     "cublaslt_workspace_bytes",
+    "estimated_notes",
     "resolve_gpu",
 ]
 
@@ -73,6 +77,9 @@ class GpuSpec:
     total_memory: int | None
     exact: bool = False  # True: an observed cudaDeviceProp.totalGlobalMem; False: nominal/approx.
     aliases: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # The bare family name the user typed when this variant was taken for it ("A100"); None when
+    # the name said which GPU.  Not part of equality: the GPU is the same either way.
+    taken_for: str | None = field(default=None, compare=False)
 
     @property
     def sm_count(self) -> int | None:
@@ -85,6 +92,16 @@ class GpuSpec:
         if self.major is None or self.minor is None:
             return None
         return f"sm_{self.major}{self.minor}"
+
+    def describe(self) -> str:
+        """The GPU as a report's first line names it: a variant taken for a bare family name says
+        so, and that the other variants' memory (the default budget of ``max_batch``/``fits``)
+        differs."""
+        if self.taken_for is None:
+            return self.name
+        others = "; ".join(f'say "{ask}" for the {name}' for name, ask in _FAMILIES[_norm(self.taken_for)][1])
+        return (f'{self.name}, taken for "{self.taken_for}"; memory differs between variants: budgets use this '
+                f"one's {format_bytes(self.total_memory)}, {others}")
 
 
 # multiProcessorCount by GPU, from NVIDIA's published specifications (not measured here): the
@@ -139,10 +156,21 @@ GPUS: tuple[GpuSpec, ...] = (
             ("rtx 3090", "3090", "rtx 3090 24gb")),
 )
 
-# Bare family names that match several rows: refuse rather than pick one.
-_AMBIGUOUS = {
-    "a100": ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB"),
-    "v100": ("Tesla V100-SXM2-16GB", "Tesla V100-SXM2-32GB"),
+# Bare family names that match several rows: the variant taken, and the others (with a name
+# that asks for each).  The architecture is the same across a family, the memory is not, so the
+# choice only moves the default budget of max_batch/fits (the report's first line says which
+# was taken).  Taken: the smaller-memory variant of each.  It is the common one -- the launch
+# parts (A100 40GB SXM4 in 2020, V100 16GB in 2017) and the cloud defaults (AWS p4d.24xlarge,
+# GCP a2-highgpu, Azure ND96asr_v4: A100 40GB; AWS p3.*, GCP nvidia-tesla-v100: V100 16GB; the
+# 80GB / 32GB parts are the separate p4de / a2-ultragpu / NDm A100 v4 / p3dn instances) -- and
+# the safe one: a batch budgeted for 40 GB (16 GB) also fits the 80 GB (32 GB) card, the
+# reverse would overflow the smaller card by up to 2x.  "H100" needs no entry: its aliases
+# name the SXM part (the PCIe part has the same 80 GB).
+_A100 = ("NVIDIA A100-SXM4-40GB", (("NVIDIA A100-SXM4-80GB", "A100 80GB"),))
+_V100 = ("Tesla V100-SXM2-16GB", (("Tesla V100-SXM2-32GB", "V100 32GB"),))
+_FAMILIES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    "a100": _A100, "a100sxm4": _A100, "a100sxm": _A100, "a100pcie": _A100,
+    "v100": _V100, "v100sxm2": _V100, "v100sxm": _V100, "v100pcie": _V100,
 }
 
 _DROP_WORDS = re.compile(r"\b(nvidia|geforce|tesla)\b")
@@ -176,7 +204,11 @@ def resolve_gpu(spec: str | int | GpuSpec) -> GpuSpec:
     * memory: an int of bytes, or a string with a unit (``"80GiB"``) via
       :func:`estimator.units.parse_bytes` -> ``major=minor=None``.
 
-    Unknown or ambiguous names raise :class:`InputError` with close matches; nothing defaults.
+    * a bare family name whose variants differ in memory (``"A100"``, ``"V100"``): the
+      smaller-memory variant, with ``taken_for`` set to what was typed (``GpuSpec.describe``
+      says so in the report).
+
+    Unknown names raise :class:`InputError` with close matches; nothing else defaults.
     """
     if isinstance(spec, GpuSpec):
         return spec
@@ -191,9 +223,9 @@ def resolve_gpu(spec: str | int | GpuSpec) -> GpuSpec:
     key = _norm(spec)
     if key in _BY_KEY:
         return _BY_KEY[key]
-    if key in _AMBIGUOUS:
-        raise InputError(f"GPU name {spec!r} is ambiguous: say one of "
-                         f"{', '.join(repr(n) for n in _AMBIGUOUS[key])}")
+    if key in _FAMILIES:
+        taken = next(s for s in GPUS if s.name == _FAMILIES[key][0])
+        return dataclasses.replace(taken, taken_for=spec.strip())
     arch = _ARCH.match(spec)
     if arch:
         major, minor = int(arch.group(1)), int(arch.group(2))
@@ -210,6 +242,53 @@ def resolve_gpu(spec: str | int | GpuSpec) -> GpuSpec:
     hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
     raise InputError(f"unknown GPU {spec!r}: {hint}{_FORMS}; known GPUs: "
                      f"{', '.join(s.name for s in GPUS)}")
+
+
+# The CUDA context: the driver's per-process state and the kernels loaded into device memory,
+# outside the caching allocator (nvidia-smi counts it, torch.cuda.max_memory_reserved does
+# not).  Nothing in PyTorch's source sizes it; published measurements (pytorch/pytorch):
+# - PR #85692 / #86509 (2022, the PR that makes PyTorch set CUDA_MODULE_LOADING=LAZY when it is
+#   unset, from 1.13): cudaMemGetInfo total - free after one 6,400,000 B tensor is 287,047,680 B
+#   with lazy loading, 666,632,192 B with CUDA_MODULE_LOADING=DEFAULT (eager under CUDA 11.x).
+#   Less the allocator's one 20 MiB segment (a 1-10 MiB request gets kLargeBuffer): 266,076,160 B
+#   (253.75 MiB) and 645,660,672 B (615.75 MiB) of context.
+# - issue #107667 (ptrblck, 2023): "~300MB" with lazy loading (CUDA >= 11.7); before 11.7 all
+#   kernels were loaded at start, ">1000MB".  Issue #109888 (ptrblck, 2023): "around 400MB"
+#   with CUDA >= 11.7 and lazy loading.  Issue #55277: 1,687 MB (RTX 3090, CUDA 11.1, eager).
+# Lazy loading is CUDA's default since 12.2 (Linux); it loads a kernel at its first launch, so
+# the context grows as the step's kernels (cuDNN's, cuBLAS's) load: those figures are before.
+CONTEXT_LAZY_RANGE = (266_076_160, 400 * MiB)  # bytes, bare context, lazy module loading ("400MB": read as MiB)
+CONTEXT_EAGER_RANGE = (645_660_672, 1_687 * 10**6)  # bytes, every kernel loaded at start
+
+
+def estimated_notes(context_bytes: int, module_loading: str | None = None) -> tuple[str, ...]:
+    """The report's note on the CUDA context: how ``context_bytes`` was had and the range it can
+    be in.  ``module_loading`` is ``CUDA_MODULE_LOADING`` (default: this process's environment,
+    what the job would run with).  Lazy unless it says ``EAGER`` (PyTorch sets ``LAZY`` when it is
+    unset; ``DEFAULT`` is lazy since CUDA 12.2)."""
+    from estimator.target.spec import DEFAULT_CONTEXT_BYTES  # spec imports this module
+
+    if module_loading is None:
+        module_loading = os.environ.get("CUDA_MODULE_LOADING", "")
+    eager = module_loading.strip().upper() == "EAGER"
+    how = ("fxmem's estimate" if context_bytes == DEFAULT_CONTEXT_BYTES else "as given")
+    lo, hi = (_mib(n) for n in CONTEXT_LAZY_RANGE)
+    elo, ehi = (_mib(n) for n in CONTEXT_EAGER_RANGE)
+    loading = (f"CUDA_MODULE_LOADING=EAGER here: every kernel loads at start, typically {elo} to {ehi} (lazy: "
+               f"{lo} to {hi})" if eager else
+               f"typically {lo} to {hi} with lazy module loading (the default: PyTorch "
+               "sets CUDA_MODULE_LOADING=LAZY when unset, CUDA >= 11.7), before the step's kernels load (cuDNN's "
+               f"and cuBLAS's load at their first launch); {elo} to {ehi} with "
+               "CUDA_MODULE_LOADING=EAGER or CUDA < 11.7")
+    return (f"CUDA context: {format_bytes(context_bytes)} ({how}): the driver's state and loaded kernels, outside "
+            "the caching allocator (in nvidia-smi's figure and subtracted from max_batch/fits budgets, not in "
+            f"max_memory_reserved); not derivable from PyTorch's source, it depends on the driver, the CUDA version "
+            f"and the kernels loaded: {loading} (measured in pytorch/pytorch#85692, #107667, #109888, #55277); "
+            "measure it as nvidia-smi's used memory minus torch.cuda.max_memory_reserved()",)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.0f} MiB"
 
 
 def _capability(arch_or_spec) -> tuple[int | None, int | None]:

@@ -72,7 +72,7 @@ aten = torch.ops.aten
 
 # Short names of what the CUDA target does not model (details in the docstrings above/below).
 NOT_MODELLED: list[str] = [
-    "cuDNN convolution workspace (algorithm chosen at run time; benchmark mode tries several)",
+    "cuDNN convolution workspace (chosen at run time: its bound per call in its own note, corrections/cuda/cudnn.py)",
     "cuDNN batch-norm workspace / reserve space (cuDNN size queries; channels-last training)",
     "CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
     "CUB scan / unique_by_key / exclusive_sum temporaries (look-back tile state, small)",
