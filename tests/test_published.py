@@ -1,0 +1,164 @@
+"""The published-measurements table (``validators/published_data.py``) and its page.
+
+No real-size capture runs here (``python -m validators.published`` does those, minutes on 2
+cores): the table's integrity, one row computed with a stubbed prediction, the committed page
+against the data file, and the gradient-accumulation shortcut the BERT rows use, on a small BERT.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+import estimator
+from estimator import InputError
+from estimator.integrations import _common
+from estimator.target.gpus import resolve_gpu
+from validators import published
+from validators.published_data import GB, ROWS, GiB, MiB, Quantity
+
+UNITS = {"MB": MiB, "GB": GB, "GiB": GiB}  # "MB" is MiB in the HF pages: `info.used // 1024**2`
+
+
+def _needs_transformers() -> None:
+    try:
+        _common.import_optional("transformers", "transformers")
+    except InputError as exc:
+        pytest.skip(f"transformers is not usable here: {exc}")
+
+
+def test_rows_are_complete_and_cite_their_values():
+    keys = [r.key for r in ROWS]
+    assert len(keys) == len(set(keys)), "row keys must be unique"
+    for row in ROWS:
+        src = row.source
+        assert src.url.startswith("https://") and src.title and src.date and src.location, row.key
+        assert (row.published is None) != (row.missing is None), f"{row.key}: a value or the reason it is missing"
+        if row.published is None:
+            continue
+        # the value as printed is in the source's own words, and its bytes follow the source's unit
+        number, unit = re.fullmatch(r"~?([0-9.]+) ?(MB|GB|GiB)", row.published.text).groups()
+        assert number in src.quote.replace(",", ""), f"{row.key}: {number} is not in the quote"
+        assert row.published.bytes == round(float(number) * UNITS[unit]), row.key
+        assert row.published.approximate == row.published.text.startswith("~"), row.key
+        assert (row.predict is None) != (row.not_estimable is None), f"{row.key}: a prediction or why there is none"
+        if row.predict is not None:
+            resolve_gpu(row.setup.fxmem_gpu)  # a GPU fxmem knows
+            assert row.differences, f"{row.key}: say what differs from the source's stack"
+        if row.quantity is Quantity.NVIDIA_SMI:
+            assert row.startup is not None and row.startup.text in src.quote + row.startup.note, row.key
+
+
+def test_hf_startup_is_the_pages_context():
+    """1343 MiB measured after ``torch.ones((1, 1)).to("cuda")``, less that tensor's 2 MiB
+    small-pool segment (counted in the prediction's reserved memory)."""
+    smi = [r for r in ROWS if r.quantity is Quantity.NVIDIA_SMI]
+    assert smi and all(r.startup.bytes == (1343 - 2) * MiB for r in smi)
+
+
+def test_row_with_a_stubbed_prediction():
+    row = next(r for r in ROWS if r.key == "hf-bert-large-b4")
+    cuda = SimpleNamespace(allocated=11_000 * MiB, reserved=13_000 * MiB, context=512 * MiB,
+                           step_allocated=10_900 * MiB, step_reserved=12_500 * MiB, steps=3)
+    res = published.compute(row, report=lambda r: SimpleNamespace(cuda=cuda))
+    assert res.status == published.Status.COMPARED
+    # nvidia-smi = reserved + the page's start-up (1341 MiB), not fxmem's 512 MiB estimate
+    assert res.predicted == (13_000 + 1341) * MiB and res.predicted_step == (12_500 + 1341) * MiB
+    assert res.published == 14_949 * MiB
+    assert res.difference == pytest.approx(100 * (14_341 - 14_949) / 14_949)
+    assert res.step_difference == pytest.approx(100 * (13_841 - 14_949) / 14_949)
+    assert (res.allocated, res.step_reserved, res.steps) == (cuda.allocated, cuda.step_reserved, 3)
+
+    # a report without the run model's fields: no single-step column
+    old = SimpleNamespace(allocated=1, reserved=13_000 * MiB, context=512 * MiB)
+    res = published.compute(row, report=lambda r: SimpleNamespace(cuda=old))
+    assert res.predicted == (13_000 + 1341) * MiB and res.predicted_step is None and res.step_difference is None
+
+    # allocated rows compare allocated; a failing prediction is reported, not raised
+    lit = next(r for r in ROWS if r.quantity is Quantity.ALLOCATED and r.predict is not None)
+    assert published.compute(lit, report=lambda r: SimpleNamespace(cuda=cuda)).predicted == cuda.allocated
+    failed = published.compute(lit, report=lambda r: 1 / 0)
+    assert failed.status == published.Status.FAILED and "ZeroDivisionError" in failed.detail
+
+
+def test_rows_without_a_prediction():
+    for row in ROWS:
+        if row.not_estimable is not None:
+            res = published.compute(row, report=None)
+            assert res.status == published.Status.NOT_ESTIMABLE and res.detail == row.not_estimable
+            assert res.predicted is None
+        elif row.published is None:
+            assert published.compute(row, report=None).status == published.Status.NO_VALUE
+
+
+def test_committed_page_matches_the_data_file():
+    """The committed JSON has every row of the data file with its published value, and the page is
+    that JSON rendered (``python -m validators.published --render`` rewrites it)."""
+    results, meta = published.load(published.JSON)
+    assert list(results) == [r.key for r in ROWS], "regenerate: python -m validators.published"
+    for row in ROWS:
+        res = results[row.key]
+        assert res.published == (row.published.bytes if row.published else None), row.key
+        expected = (published.Status.NOT_ESTIMABLE if row.not_estimable else
+                    published.Status.NO_VALUE if row.published is None else None)
+        if expected:
+            assert res.status == expected, row.key
+        else:
+            assert res.status in (published.Status.COMPARED, published.Status.FAILED), row.key
+    assert published.MARKDOWN.read_text() == published.to_markdown(results, meta)
+
+
+def test_litgpt_stand_ins_train_the_published_parameter_count():
+    """The LoRA stand-ins train exactly the parameters the resource table lists (q and v, r = 8)."""
+    _needs_transformers()
+    from validators import published_data
+
+    assert sum(p.numel() for p in published_data.phi15().parameters() if p.requires_grad) == 1_572_864
+    assert sum(p.numel() for p in published_data.llama2("7b").parameters() if p.requires_grad) == 4_194_304
+
+
+def test_one_micro_step_has_the_peak_of_the_accumulation_loop():
+    """With ``zero_grad(set_to_none=False)`` every micro-step repeats the same allocations, so the
+    BERT rows predict one micro-step (+ the optimizer step) for 4 accumulation steps: the same
+    figures, here for 2 accumulation steps of a 2-layer BERT with fp16 autocast and reentrant
+    checkpointing (the validator's rows were also checked with 4 steps, fp32/fp16, AdamW/Adafactor,
+    with and without checkpointing: equal to the byte)."""
+    _needs_transformers()
+    import torch
+    from validators import published_data
+
+    transformers = _common.import_optional("transformers", "transformers")
+
+    def tiny():
+        config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, vocab_size=512, max_position_embeddings=64,
+                                         attn_implementation="eager")
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        return model
+
+    figures = []
+    for micro_steps in (2, 1):
+        batch = {"input_ids": torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0)),
+                 "labels": torch.zeros(1, dtype=torch.long)}
+        rep = estimator.report(tiny(), batch, device="cuda", gpu="V100 16GB",
+                               step=published_data.trainer_2022_step(2, fp16=True, micro_steps=micro_steps),
+                               optimizer=published_data.trainer_2022_state("adamw", fp16=True))
+        c = rep.cuda
+        figures.append((c.allocated, c.reserved, getattr(c, "step_allocated", None), getattr(c, "step_reserved", None)))
+    assert figures[0] == figures[1]
+
+
+def test_torchtitan_rows_name_what_fxmem_refuses():
+    """The torchtitan rows are "not estimable" because fxmem refuses FSDP with low-precision
+    parameters over fp32 ones (MixedPrecisionPolicy); when it stops refusing, the rows need a
+    prediction instead."""
+    from estimator import Strategy
+
+    with pytest.raises(InputError, match="MixedPrecisionPolicy"):
+        Strategy(data_parallel=8, sharding="zero3", master_weights=True)
+    titan = [r for r in ROWS if r.key.startswith("torchtitan-")]
+    assert titan and all("MixedPrecisionPolicy" in r.not_estimable for r in titan)
