@@ -15,6 +15,7 @@ from estimator.capture.trace import StepSpec, capture
 from estimator.categories import Category, Mode, Phase, Target
 from estimator.errors import InputError
 from estimator.target.cuda import Overhead
+from estimator.target.cuda_allocator import OutOfMemory
 from estimator.target.gpus import resolve_gpu
 from estimator.target.spec import DEFAULT_CONTEXT_BYTES, TargetSpec
 
@@ -111,6 +112,21 @@ def test_fits_and_max_batch_use_the_gpu_memory_and_the_allocator():
     assert rep.fits() and rep.fits(b=n) and not rep.fits(b=n + 1)
     assert rep.max_batch("1GiB") < n
     assert rep.max_batch(DEFAULT_CONTEXT_BYTES) == 0  # nothing left after the context
+
+
+def test_max_batch_under_a_memory_fraction_stops_where_the_allocator_runs_out():
+    model, x = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)), torch.randn(8, 1024)
+    full = estimator.report(model, x, optimizer="adamw", device="cuda", gpu="24GiB")
+    half = estimator.report(model, x, optimizer="adamw", device="cuda", gpu="24GiB",
+                            alloc_conf="per_process_memory_fraction:0.5")
+    n = half.max_batch()
+    # The allocator may hold 0.5 x 24 GiB: the run at n + 1 runs out of memory in the model (as
+    # the real allocator raises), well before the device's 24 GiB less the context.
+    assert 8 < n < full.max_batch()
+    assert half.fits(b=n) and not half.fits(b=n + 1)
+    assert half.on_device(n).reserved <= 12 * 2**30
+    with pytest.raises(OutOfMemory):
+        half.on_device(n + 1)
 
 
 def test_cpu_budget_is_required_and_cuda_arguments_need_cuda():

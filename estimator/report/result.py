@@ -187,6 +187,16 @@ class Report:
 
         return predict(self.timeline.at_s(self.seq if s is None else s), b, self.target)
 
+    def _device_fits(self, b: int | None, s: int | None, limit: int) -> bool:
+        """CUDA: whether the run at ``b`` and ``s`` fits ``limit`` bytes of device memory (False
+        where the allocator model runs out of memory: a ``per_process_memory_fraction`` cap)."""
+        from estimator.target.cuda_allocator import OutOfMemory
+
+        try:
+            return self.on_device(b, s).device <= limit
+        except OutOfMemory:
+            return False
+
     def _budget(self, budget: int | str | None) -> int:
         if budget is not None:
             return parse_bytes(budget)
@@ -218,7 +228,7 @@ class Report:
         if self.cuda is None:
             return best
         k = self.multiple  # bisect over multiples of k: b = k·n
-        n = _bisect(lambda n: self.on_device(k * n, s).device <= limit, -(-self.valid_from // k), best // k)
+        n = _bisect(lambda n: self._device_fits(k * n, s, limit), -(-self.valid_from // k), best // k)
         return k * n
 
     def max_seq(self, budget: int | str | None = None, b: int | None = None) -> int:
@@ -238,14 +248,14 @@ class Report:
             return 0
         if self.cuda is None:
             return best
-        return _bisect(lambda s: self.on_device(b, s).device <= limit, lo, best)
+        return _bisect(lambda s: self._device_fits(b, s, limit), lo, best)
 
     def fits(self, budget: int | str | None = None, b: int | None = None, s: int | None = None) -> bool:
         """Whether the step at ``b`` (default: ``batch``) and ``s`` fits in ``budget`` (CUDA: the
         device's memory, default the GPU's, compared with ``device_bytes``)."""
         limit = self._budget(budget)
         if self.cuda is not None:
-            return self.on_device(b, s).device <= limit
+            return self._device_fits(b, s, limit)
         if b is None and s is None:
             return self.peak_bytes <= limit
         return self.at(self.batch if b is None else b, s) <= limit

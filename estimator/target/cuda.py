@@ -118,7 +118,8 @@ def not_modelled_note() -> str:
 def run_note(memory: CudaMemory) -> str:
     """How the run's figures were found, and the single-step figures beside them."""
     how = (f"the allocator's state repeats from step {memory.steps}" if memory.repeated else
-           f"the figures were unchanged over the last steps of {memory.steps}, the small blocks' layout still shifting")
+           f"the figures were unchanged over the last 4 of {memory.steps} steps; the allocator's layout had not "
+           "repeated yet")
     carried = (f"; the previous step's output and loss, alive until the next model call returns (out = model(x) in a "
                f"loop), hold {memory.carried:,} B at the run's peak" if memory.carried else "")
     return (f"CUDA: max_memory_allocated/reserved are those of a run from a cold start (model.to('cuda'), the "
