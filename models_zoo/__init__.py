@@ -92,6 +92,13 @@ def data_dependent(name: str) -> str | None:
     return getattr(_REGISTRY[name], "DATA_DEPENDENT", None)
 
 
+def library(name: str) -> str | None:
+    """The package whose code builds the model (its numbers follow that package's version: a
+    model's forward can change between releases), or None for the zoo's own code."""
+    sizes(name)
+    return getattr(_REGISTRY[name], "LIBRARY", None)
+
+
 def get(name: str, size: str = "debug", device=None, dtype: torch.dtype | None = None):
     """Build a zoo model in train mode. Returns (model, make_sample, loss_fn).
 

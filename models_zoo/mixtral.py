@@ -16,6 +16,7 @@ import torch
 
 from models_zoo import _common
 
+LIBRARY = "transformers"  # the model's code is transformers' (models_zoo.library)
 
 @dataclass(frozen=True)
 class Config:

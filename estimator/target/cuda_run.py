@@ -160,7 +160,7 @@ class _Plan:
     def __init__(self, timeline: Timeline, b: int, workspaces: list[tuple[int, int]]) -> None:
         storages = timeline.storages
         self.sizes = {k: nbytes(b) for k, (nbytes, *_) in enumerate(storages)}
-        births = timeline.births or tuple(Born(Birth.LOAD, k) if s[2] < 0 else None for k, s in enumerate(storages))
+        births = timeline.births or (None,) * len(storages)  # unknown: state loaded first, in storage order
         self.allocs: dict[int, list[int]] = {}
         self.frees: dict[int, list[int]] = {}
         self.scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
@@ -177,8 +177,8 @@ class _Plan:
                 self.allocs.setdefault(op, []).append(k)
                 if freed is None:
                     self.survivors.append(k)
-            elif born.when is Birth.LOAD:
-                load.append((born.order, k))
+            elif born is None or born.when is Birth.LOAD:
+                load.append((k if born is None else born.order, k))
             elif born.when is Birth.SETUP:
                 setup.append(k)
             elif born.when is Birth.BATCH:
