@@ -94,7 +94,9 @@ def _cuda_rows(rep) -> list[list[str]]:
         row(Overhead.ALLOCATOR_ROUNDING.value, over[Overhead.ALLOCATOR_ROUNDING], "512 B blocks"),
         row("= max_memory_allocated", rep.peak_bytes,
             f"≈ {rep.peak_piece.bytes}" + (" + the previous output" if rep.cuda.carried else "")),
-        row(Overhead.ALLOCATOR_CACHE.value, over[Overhead.ALLOCATOR_CACHE], f"{rep.cuda.segments} segments at the end"),
+        row(Overhead.ALLOCATOR_CACHE.value, over[Overhead.ALLOCATOR_CACHE],
+            "pages of expandable segments" if rep.target.allocator.expandable_segments
+            else f"{rep.cuda.segments} segments at the end"),
         row("= max_memory_reserved", rep.reserved_bytes,
             f"a run of {rep.cuda.steps} steps; one step after empty_cache(): {rep.cuda.step_reserved:,}"),
         row(Overhead.CUDA_CONTEXT.value + " (estimate)", over[Overhead.CUDA_CONTEXT], "outside the allocator"),
