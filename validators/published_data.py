@@ -259,7 +259,15 @@ _HF_STARTUP = Startup(
     "the page's `torch.ones((1, 1)).to(\"cuda\")` then 'GPU memory occupied: 1343 MB.' (`info.used // 1024**2`: MiB); "
     "it holds the CUDA context and kernels plus the 2 MiB small-pool segment of that tensor, which the "
     "training's own small allocations reuse and fxmem's reserved figure already counts: context = 1341 MiB")
-TORCH_110 = Difference("torch 1.10", "torch ~1.10 kernels, autograd and caching allocator; fxmem models torch 2.13")
+TORCH_110 = Difference(
+    "torch 1.10",
+    "torch ~1.10 kernels, autograd and caching allocator; fxmem models torch 2.13. One known difference explains "
+    "the fp32 rows' per-sample gap: in 2021 releases the backward formula of softmax referenced its input "
+    "(derivatives.yaml: `_softmax_backward_data(grad, result, dim, self)`), so autograd kept the input alive "
+    "for backward (pytorch/pytorch#64000, Aug 2021; today `self.scalar_type()` only, PR #65242): in BERT's "
+    "attention one more fp32 "
+    "(b, 16, 512, 512) matrix per layer, 16 MiB per sample x 24 layers = 384 MiB per sample, against the "
+    "per-sample gap below of 2,089 - 1,719 = 370 MiB. fxmem models today's autograd and does not add it")
 BERT_416 = Difference("transformers 4.16 BERT", "transformers ~4.16 BertSelfAttention (eager, with an all-ones "
                       "attention mask the model builds) vs transformers 5.24 BERT with attn_implementation='eager' "
                       "and no mask")
