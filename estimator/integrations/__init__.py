@@ -10,9 +10,11 @@
 
 - ``source``: ``"transformers"``, ``"timm"`` or ``"torchvision"``;
 - ``name``: what that library calls the model (see each module's docstring:
-  ``estimator.integrations.transformers`` also takes a local folder holding ``config.json``);
-- the model has random weights on the **meta device** (no memory, nothing downloaded: a hub id
-  is an InputError saying how to pass a local config instead); ``device="cpu"`` builds the same
+  ``estimator.integrations.transformers`` also takes a local folder holding ``config.json``, or a
+  Hub id ``org/name[@revision]``, of which only ``config.json`` is fetched or read from the local
+  Hugging Face cache);
+- the model has random weights on the **meta device** (no memory, no weights downloaded: a timm
+  or torchvision hub id is an InputError saying how to pass a local config); ``device="cpu"`` builds the same
   model with real (seeded) weights, for measuring it;
 - ``sample``: CPU tensors whose dim 0 is ``batch``: token ids ``(batch, seq)`` (plus labels, so
   that ``output.loss`` exists) for language models, pixels at the model's documented resolution
@@ -86,7 +88,8 @@ def build(
         image_size: H (= W) or (H, W) of the sample for vision models (default: the model's).
 
     Raises:
-        InputError: unknown source or name (with close matches), a hub id, a missing package
+        InputError: unknown source or name (with close matches), a Hub id whose config cannot be
+            had (offline and not cached, gated, unknown), a timm/torchvision hub id, a missing package
             (naming ``pip install 'fxmem[...]'``), an override the model does not take.
     """
     builder = _builder(source)

@@ -8,10 +8,12 @@
 - a model class name, which also picks the head: ``BertForSequenceClassification``,
   ``GPT2LMHeadModel``, ``LlamaModel``;
 - a local directory holding ``config.json`` (or the path of a ``.json`` config), read with
-  ``local_files_only=True``; its ``architectures[0]`` picks the class when transformers has it.
-
-A hub id (``meta-llama/Llama-2-7b-hf``) is refused: nothing is downloaded. Save the model's
-``config.json`` in a folder and pass the folder instead.
+  ``local_files_only=True``; its ``architectures[0]`` picks the class when transformers has it;
+- a Hugging Face Hub id (``meta-llama/Llama-3.1-8B``, ``org/name@revision``): only its
+  ``config.json`` is fetched, with ``huggingface_hub.hf_hub_download`` into (or from) the local
+  HF cache (``HF_HUB_CACHE`` / ``HF_HOME``), then read as a local folder is; never weights nor
+  any other file. ``HF_HUB_OFFLINE=1``: the cache only. ``HF_TOKEN`` (read by huggingface_hub)
+  opens gated and private repos. A local path that exists wins over a hub id.
 
 Without a model class, the head is the first of: masked LM, seq2seq LM, causal LM, image
 classification, the base model (``bert`` -> ``BertForMaskedLM``, ``t5`` ->
@@ -67,7 +69,7 @@ from estimator.errors import InputError
 from estimator.integrations._common import building_on, import_optional, pair, randint, randn, suggest
 
 DEFAULT_SEQ = 512  # the most tokens a default sample holds
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_HUB_ID = re.compile(r"^([\w.-]+/[\w.-]+)(?:@([\w./-]+))?$")  # org/name[@revision]
 # Config fields that give the longest sequence a model's position embeddings allow.
 _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
 # The default head, in order (a model type in several mappings gets the first).
@@ -131,20 +133,58 @@ def _resolve(transformers, name: str, overrides: dict[str, Any]):
     if isinstance(attr, type) and issubclass(attr, PreTrainedModel) and _config_class(attr) is not None:
         return _configured(_config_class(attr), overrides, name), attr
     looks_like_path = os.sep in name or name.startswith((".", "~")) or name.endswith(".json")
-    if looks_like_path and not _HUB_ID.match(name):
+    hub_id = _HUB_ID.match(name) if not name.startswith((".", "~")) else None
+    if looks_like_path and not hub_id:
         raise InputError(f"no such file or directory: {name!r} (a local config directory or .json file)")
-    if _HUB_ID.match(name):
-        raise InputError(
-            f"{name!r} looks like a Hugging Face Hub id: fxmem never downloads. Save the model's "
-            "config.json in a local folder and pass the folder (transformers:/path/to/folder, read "
-            "with local_files_only=True), or name a model type (transformers:llama, gpt2, bert, …) "
-            "or a config class (LlamaConfig) and give its sizes as overrides"
-        )
+    if hub_id:
+        return _from_local(transformers, _hub_config(*hub_id.groups()), overrides)
     known = list(CONFIG_MAPPING.keys())
     raise InputError(
         f"unknown transformers model {name!r}: not a model type, a config or model class, "
         f"nor a local config directory.{suggest(name, known)} (model types: transformers.CONFIG_MAPPING)"
     )
+
+
+def _hub_config(repo_id: str, revision: str | None) -> str:
+    """The local folder holding ``repo_id``'s ``config.json``: ``huggingface_hub.hf_hub_download``
+    of that one file (huggingface_hub 2.4, file_download.py: the cache's
+    ``models--org--name/snapshots/<commit>/config.json``, ``refs/<revision>`` naming the commit),
+    from the cache alone when ``HF_HUB_OFFLINE`` is set (read now, and as huggingface_hub read it
+    at import)."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import errors as hub
+
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    cache = constants.HF_HUB_CACHE
+    offline = constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    local = ("pass a local config instead: a folder holding the model's config.json "
+             "(transformers:/path/to/folder) or the .json file")
+    token = "huggingface_hub sends HF_TOKEN (or the token of `hf auth login`) when one is set"
+    try:
+        path = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache, local_files_only=offline)
+    except hub.GatedRepoError as exc:
+        raise InputError(f"{where!r} is a gated Hugging Face repo: accept its terms on huggingface.co and set "
+                         f"HF_TOKEN ({token}), or {local}") from exc
+    except hub.RepositoryNotFoundError as exc:
+        raise InputError(f"no Hugging Face repo {repo_id!r} (or it is private: {token}) and no local folder of "
+                         f"that name; check the id, or {local}") from exc
+    except hub.RevisionNotFoundError as exc:
+        raise InputError(f"the Hugging Face repo {repo_id!r} has no revision {revision!r}") from exc
+    except hub.LocalEntryNotFoundError as exc:  # offline, or the Hub unreachable, and nothing cached
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
+        raise InputError(f"{where!r}: its config.json is not in the local Hugging Face cache at {cache} and {why}. "
+                         f"Run with HF_HUB_OFFLINE=0 and network access (fxmem fetches config.json only), "
+                         f"or {local}") from exc
+    except hub.EntryNotFoundError as exc:
+        raise InputError(f"the Hugging Face repo {where!r} has no config.json: is it a transformers model? "
+                         f"{local[0].upper()}{local[1:]}") from exc
+    except hub.HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        hint = f" ({token})" if status in (401, 403) else ""
+        raise InputError(f"fetching {where!r}'s config.json from the Hugging Face Hub failed{hint}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # a malformed id or revision, a cache that cannot be written
+        raise InputError(f"cannot fetch {where!r}'s config.json: {exc}") from exc
+    return os.path.dirname(path)
 
 
 def _config_class(model_class) -> type | None:
