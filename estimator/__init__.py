@@ -1,9 +1,11 @@
 """fxmem: static memory estimates of PyTorch training and inference steps, as formulas in the batch size.
 
 >>> import torch, estimator
->>> rep = estimator.report(torch.nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
->>> rep.peak_bytes > 0
-True
+>>> rep = estimator.report(torch.nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")  # the default GPU (H100)
+>>> rep.device, rep.target.gpu.name, rep.peak_bytes <= rep.reserved_bytes <= rep.device_bytes
+('cuda', 'NVIDIA H100 80GB HBM3', True)
+>>> estimator.report(torch.nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu").device
+'cpu'
 
 Importing ``estimator`` does not import torch: the names that need it load on first use
 (PEP 562), so ``fxmem --help`` and ``import estimator.errors`` stay fast.

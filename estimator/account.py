@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from estimator.capture.trace import RawCapture, RunMarks
+from estimator.capture.trace import Decoding, RawCapture, RunMarks
 from estimator.categories import Born, Category, Phase
 from estimator.symbolic import ZERO, Poly, fit
 
@@ -72,6 +72,7 @@ class Timeline:
     # made by the step; empty when unknown: then all of it is loaded first, in storage order).
     births: tuple[Born | None, ...] = ()
     marks: RunMarks = RunMarks()  # where the run's first step makes its lazy state
+    decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
 
     def alive_at(self, index: int):
         """The storages alive while op ``index`` runs."""
@@ -81,6 +82,20 @@ class Timeline:
     def has_s(self) -> bool:
         """Whether the bytes depend on the sequence length ``s`` (a capture with ``s`` symbolic)."""
         return any(p.has_s for op in self.ops for p in op.peaks()) or any(p.has_s for p in self.baseline)
+
+    def candidates(self) -> list[tuple[Poly, tuple[int, int]]]:
+        """Every candidate peak with its (op index, scratch index); the baseline if no op ran."""
+        found = [(poly, (i, k)) for i, op in enumerate(self.ops) for k, poly in enumerate(op.peaks())]
+        return found or [(_sum(self.baseline), (-1, 0))]
+
+    def prefix(self, cut: int) -> Timeline:
+        """The first ``cut`` ops, what they made and is alive after them freed there: a run that
+        stops at op ``cut`` (``mode="generate"`` with fewer new tokens, a prefix of the run)."""
+        storages = tuple((nbytes, category, op, cut - 1 if 0 <= op < cut and (freed is None or freed >= cut) else freed)
+                         for nbytes, category, op, freed in self.storages)
+        decoding = self.decoding and dataclasses.replace(self.decoding,
+                                                         calls=tuple(c for c in self.decoding.calls if c < cut))
+        return dataclasses.replace(self, ops=self.ops[:cut], storages=storages, decoding=decoding)
 
     def at_s(self, s: int) -> Timeline:
         """The same timeline with ``s`` fixed: every byte count a polynomial in ``b`` only."""
@@ -147,7 +162,7 @@ def account(raw: RawCapture) -> Timeline:
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
     return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
-                    tuple(s.born for s in raw.storages.values()), raw.marks)
+                    tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding)
 
 
 def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:

@@ -16,6 +16,7 @@ class Category(str, enum.Enum):
     OPTIMIZER_STATE = "optimizer state"
     COMMUNICATION = "communication buffers"  # distributed strategies: DDP buckets, gathered shards, ...
     ACTIVATION = "activations"  # saved for backward by autograd
+    KV_CACHE = "KV cache"  # mode="generate": the keys and values a decoder's cache holds
     TEMPORARY = "temporaries"  # everything else allocated during the step
 
 
@@ -30,6 +31,7 @@ class Phase(str, enum.Enum):
 class Mode(str, enum.Enum):
     TRAIN = "train"
     INFERENCE = "inference"
+    GENERATE = "generate"  # transformers' model.generate(): prefill, then one decode step per new token
 
 
 class Target(str, enum.Enum):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import click
 
 EXIT_OK, EXIT_INPUT, EXIT_CAPTURE, EXIT_INTERRUPTED = 0, 2, 3, 130
-MODES = ("train", "inference")
+MODES = ("train", "inference", "generate")
 DEVICES = ("cpu", "cuda")
 FORMATS = ("sympy", "latex", "markdown", "json")
 
@@ -72,6 +72,9 @@ class Options:
     master_weights: bool
     step: str | None
     keep_output: bool | None
+    generate: int | None
+    cache: str | None
+    seq_len: int | None
 
 
 def model_options(func=None, *, strategy: bool = True):
@@ -104,9 +107,19 @@ def model_options(func=None, *, strategy: bool = True):
         ),
         click.option("--dtype", type=click.Choice(("fp32", "bf16", "fp16"), case_sensitive=False),
                      help="parameter dtype (default: as built)."),
-        click.option("--device", callback=_device, default="cpu", show_default=True, metavar="DEVICE",
-                     help="target device: cpu or cuda (an index such as cuda:1 is accepted)."),
-        click.option("--gpu", metavar="GPU", help="CUDA GPU to predict for: H100, A100-40GB, sm_90, 80GiB (--device cuda)."),
+        click.option("--generate", type=click.IntRange(min=1), metavar="N", hidden=not strategy,
+                     help="model.generate() of N new tokens per sequence (a transformers causal LM; --mode "
+                          "generate): the prefill and N-1 decode steps, the KV cache its own category."),
+        click.option("--cache", type=click.Choice(("dynamic", "static"), case_sensitive=False), hidden=not strategy,
+                     help="--generate's KV cache: dynamic (transformers' default) or static (sized at the prefill)."),
+        click.option("--seq-len", "seq_len", type=click.IntRange(min=1), metavar="S",
+                     help="tokens per sample of a transformers model (the prompt with --generate; default "
+                          "min(max positions, 512))."),
+        click.option("--device", callback=_device, default="cuda", show_default=True, metavar="DEVICE",
+                     help="target device: cuda (the GPU of --gpu; no GPU needed here) or cpu (an index such as "
+                          "cuda:1 is accepted)."),
+        click.option("--gpu", metavar="GPU", help="the GPU to predict for: H100, A100-40GB, RTX-4090, sm_90, 80GiB "
+                     "(default: H100)."),
         click.option("--amp", type=click.Choice(("fp16", "bf16"), case_sensitive=False),
                      help="mixed precision: autocast (+ GradScaler for fp16)."),
         click.option(
@@ -126,7 +139,7 @@ def model_options(func=None, *, strategy: bool = True):
                  "bound), sample (observed on the sample; real weights, so --device-init cpu), a fraction "
                  "such as 0.5, or SITE=N for one call site (the report's notes name them); repeatable.",
         ),
-        click.option("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to model (--device cuda; "
+        click.option("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to model (GPU target; "
                      "default: the environment's)."),
         click.option(
             "--device-init", type=click.Choice(("meta", "cpu")), default="meta", show_default=True,
@@ -140,6 +153,8 @@ def model_options(func=None, *, strategy: bool = True):
     return func
 
 
+DTYPE_SYMBOLS_HELP = ("also the formula in the element width w of the model's float dtype (w = 4 fp32, 2 bf16/fp16; "
+                      "parameters Ψ·w, Adam state 2Ψ·w): the step is captured at fp32, bf16 and fp16.")
 STRATEGY_OPTIONS = [
     click.option("--accumulate", type=click.IntRange(min=1), default=1, metavar="K",
                  help="gradient accumulation over K micro-batches of b/K."),
@@ -179,14 +194,32 @@ def _strategy(opts: Options, model):
 
 def _options(kwargs) -> Options:
     defaults = {"accumulate": 1, "checkpoint": None, "data_parallel": 1, "zero": None, "pipeline": 1,
-                "microbatches": None, "schedule": "1f1b", "master_weights": False, "keep_output": None}
+                "microbatches": None, "schedule": "1f1b", "master_weights": False, "keep_output": None,
+                "generate": None, "cache": None}
     opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
     from estimator.errors import InputError
 
     for flag, value in (("--gpu", opts.gpu), ("--alloc-conf", opts.alloc_conf)):
         if value is not None and opts.device != "cuda":
-            raise InputError(f"{flag} {value} needs --device cuda (it describes the CUDA target), "
-                             f"got --device {opts.device}")
+            raise InputError(f"{flag} {value} describes the GPU target but --device {opts.device} asks for the CPU: "
+                             f"drop --device {opts.device} (the GPU is the default) or {flag}")
+    if opts.generate is not None or opts.cache is not None:
+        if opts.generate is None:
+            raise InputError("--cache is the KV cache of --generate N: add --generate")
+        if opts.mode not in ("train", "generate"):  # train: --mode's default
+            raise InputError(f"--generate runs model.generate(), not --mode {opts.mode}: drop --mode")
+        training = [flag for flag, set_ in (
+            ("--step", opts.step is not None), ("--amp", opts.amp is not None), ("--accumulate", opts.accumulate != 1),
+            ("--checkpoint", opts.checkpoint is not None), ("--dp", opts.data_parallel != 1),
+            ("--zero", opts.zero is not None), ("--pipeline", opts.pipeline != 1),
+            ("--master-weights", opts.master_weights), ("--keep-output/--drop-output", opts.keep_output is not None))
+            if set_]
+        if training:
+            raise InputError(f"--generate runs model.generate() as it is: drop {', '.join(training)} (--dtype bf16 "
+                             "for a low-precision generation)")
+        opts.mode = "generate"
+    elif opts.mode == "generate":
+        raise InputError("--mode generate needs --generate N, the tokens to generate per sequence")
     return opts
 
 
@@ -206,20 +239,31 @@ def _estimate(opts: Options, run=None, **extra):
     # the user's functions first: a typo in them fails before the model is built
     user_step = _user_function(opts.step, "--step", "a function step(model, sample, state)")
     optimizer = _optimizer(opts.optimizer, user_step is not None)
-    built = models.resolve(opts.model, size=opts.size, batch=opts.batch, dtype=opts.dtype, device_init=opts.device_init)
+    built = models.resolve(opts.model, size=opts.size, batch=opts.batch, dtype=opts.dtype, device_init=opts.device_init,
+                           seq_len=opts.seq_len)
     batch = opts.batch or built.batch
     _status(opts, f"capturing {built.label}, {opts.mode}" + (f", step {opts.step}" if opts.step else "")
             + (f", b={batch}" if batch else "") + " ...")
     if run is None:
         run, extra = estimator.report, {"amp": opts.amp, "strategy": _strategy(opts, built.model),
-                                        "keep_output": opts.keep_output, "step": user_step}
+                                        "keep_output": opts.keep_output, "step": user_step, **extra}
+    sample = built.sample
+    if opts.generate is not None:  # generate() as it is: no strategy, no loss; the sample is a prompt
+        from estimator.errors import InputError
+        from estimator.step import Generation
+
+        if not isinstance(sample, dict) or "input_ids" not in sample:
+            raise InputError(f"--generate needs a text model whose sample has input_ids; {built.label} has none")
+        sample = Generation.prompt(sample)
+        extra = {k: v for k, v in extra.items() if k not in ("amp", "strategy", "keep_output", "step")}  # refused
+        extra |= {"new_tokens": opts.generate, "cache_implementation": opts.cache}
     result = run(
         built.model,
-        built.sample,
+        sample,
         batch=opts.batch,
         mode=opts.mode,
         optimizer=optimizer,
-        loss_fn=None if user_step is not None else built.loss_fn,  # a step of yours computes its own loss
+        loss_fn=None if user_step is not None or opts.generate else built.loss_fn,  # yours / generate(): no loss
         device=opts.device,
         gpu=opts.gpu,
         alloc_conf=opts.alloc_conf,
@@ -257,6 +301,31 @@ def _optimizer(text: str | None, user_step: bool):
         return text
     what = "a function make_state(model) -> state" if user_step else "a function make(params) -> Optimizer"
     return _user_function(text, "--optimizer", what)
+
+
+def _trainer_run(path: str, opts: Options):
+    """``report --training-args FILE.json``: ``run`` for ``_estimate`` that estimates Trainer's step
+    (``integrations.transformers.from_training_args``); the options the arguments decide are refused,
+    ``--dp N`` is the run's world size."""
+    from estimator.errors import InputError
+
+    given = [flag for flag, set_ in (("--step", opts.step is not None), ("--optimizer", opts.optimizer is not None),
+                                     ("--amp", opts.amp is not None), ("--accumulate", opts.accumulate != 1),
+                                     ("--checkpoint", opts.checkpoint is not None), ("--zero", opts.zero is not None),
+                                     ("--pipeline", opts.pipeline != 1), ("--master-weights", opts.master_weights),
+                                     ("--keep-output/--drop-output", opts.keep_output is not None),
+                                     ("--mode", opts.mode != "train"))
+             if set_]
+    if given:
+        raise InputError(f"--training-args decides {', '.join(given)} (Trainer's step, optimizer, precision, "
+                         f"accumulation, checkpointing): drop {' and '.join(given)}")
+
+    def run(model, sample, *, batch, mode, optimizer, loss_fn, **kwargs):
+        from estimator.integrations.transformers import from_training_args
+
+        return from_training_args(model, path, sample, world_size=opts.data_parallel, batch=batch, **kwargs)
+
+    return run
 
 
 def _no_step(opts: Options, command: str) -> None:
@@ -381,7 +450,8 @@ def cli():
     """Static memory estimates of PyTorch training and inference steps, as formulas in the batch size.
 
     Nothing runs on real data: the step runs once on fake tensors with a symbolic batch size b,
-    so the peak is an exact formula in b.
+    so the peak is an exact formula in b.  The target is a GPU (--gpu, default an H100: no GPU
+    is needed to predict for one) or the CPU (--device cpu).
 
     \b
     Examples:
@@ -401,8 +471,14 @@ def cli():
 @model_options
 @click.option("--budget", metavar="BYTES", help="also print the largest batch that fits, e.g. 80GiB, 40GB.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (to_json: exact integer coefficients).")
+@click.option("--dtype-symbols", is_flag=True, help=DTYPE_SYMBOLS_HELP)
+@click.option("--training-args", "training_args", metavar="FILE.json",
+              help="estimate the optimizer step of transformers.Trainer with these TrainingArguments (a JSON object "
+                   "of its fields): b is per_device_train_batch_size x gradient_accumulation_steps; its precision, "
+                   "checkpointing, optimizer and accumulation replace --amp, --checkpoint, --optimizer, --accumulate "
+                   "(--dp N: the run's world size).")
 @handle_errors
-def report(budget, as_json, **kwargs):
+def report(budget, as_json, dtype_symbols, training_args, **kwargs):
     """Peak memory of one step of MODEL: the table, by category and by module.
 
     \b
@@ -410,15 +486,19 @@ def report(budget, as_json, **kwargs):
       fxmem report gpt --size gpt2-small --batch 8
       fxmem report resnet --size resnet50 --batch 64 --mode inference
       fxmem report llama --size 7b --batch 1 --dtype bf16 --budget 80GiB
-      fxmem report gpt --batch 8 --device cuda --gpu H100
+      fxmem report gpt --batch 8 --gpu A100-80GB
+      fxmem report gpt --batch 8 --device cpu
       fxmem report gpt --batch 8 --amp bf16 --seq input_ids:1
       fxmem report path/to/model.py:make --json | jq .peak_bytes
       fxmem report mlp --step my_step.py:train_step --optimizer my_step.py:make_state
       fxmem report gpt --batch 8 --drop-output
+      fxmem report transformers:gpt2 --generate 128 --seq-len 512 --batch 16
+      fxmem report transformers:gpt2 --training-args args.json --device cpu
     """
     opts = _options(kwargs)
     limit = _budget(budget)
-    rep = _estimate(opts)
+    run = _trainer_run(training_args, opts) if training_args is not None else None
+    rep = _estimate(opts, run, dtype_symbols=dtype_symbols)
     fit = rep.max_batch(limit) if limit is not None else None
     if as_json:
         data = json.loads(rep.to_json())
@@ -427,8 +507,13 @@ def report(budget, as_json, **kwargs):
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(str(rep))
+        if rep.dtype_formula is not None:
+            from estimator.report.formulas import dtype_markdown
+
+            click.echo("\n" + "\n".join(dtype_markdown(rep.dtype_formula)))
         if limit is not None:
-            click.echo(f"\nlargest batch that fits in {budget}: {fit}{_range_note(rep, fit)}")
+            memory = " of device memory" if rep.cuda is not None else ""
+            click.echo(f"\nlargest batch that fits in {budget}{memory}: {fit}{_range_note(rep, fit)}")
 
 
 @cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="the peak as a formula in b: sympy, latex, markdown, json.")
@@ -436,8 +521,9 @@ def report(budget, as_json, **kwargs):
 @click.option("--format", "-f", "fmt", type=click.Choice(FORMATS), default="sympy", show_default=True,
               help="sympy: the peak expression; latex: an align* block; markdown: a table; json: coefficients.")
 @click.option("--json", "as_json", is_flag=True, help="the same as --format json.")
+@click.option("--dtype-symbols", is_flag=True, help=DTYPE_SYMBOLS_HELP)
 @handle_errors
-def formula(fmt, as_json, **kwargs):
+def formula(fmt, as_json, dtype_symbols, **kwargs):
     """The peak memory of MODEL as a formula in the batch size b (bytes).
 
     \b
@@ -449,52 +535,80 @@ def formula(fmt, as_json, **kwargs):
       fxmem formula mlp --step my_step.py:train_step
     """
     opts = _options(kwargs)
-    rep = _estimate(opts)
+    rep = _estimate(opts, dtype_symbols=dtype_symbols)
     fmt = "json" if as_json else fmt
-    render = {"sympy": lambda: str(rep.peak), "latex": rep.to_latex, "markdown": rep.to_markdown, "json": rep.to_json}
+    from estimator.report.formulas import widths_text
+
+    sympy_text = str(rep.peak) if rep.dtype_formula is None else "\n".join(
+        [str(rep.peak), *(f"{line.peak}    # {widths_text(line.widths)}" for line in rep.dtype_formula.lines)])
+    render = {"sympy": lambda: sympy_text, "latex": rep.to_latex, "markdown": rep.to_markdown, "json": rep.to_json}
     click.echo(render[fmt]().rstrip("\n"))
 
 
-@cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="the largest batch that fits in --budget.")
+@cli.command(epilog=MODEL_HELP + STEP_HELP, short_help="the largest batch that fits in the GPU (or --budget).")
 @model_options
-@click.option("--budget", metavar="BYTES", required=True, help="the memory to fit in, e.g. 80GiB, 40GB, 512MiB.")
+@click.option("--budget", metavar="BYTES", help="the memory to fit in, e.g. 80GiB, 40GB, 512MiB (default: the GPU's "
+              "memory, --gpu; --device cpu needs one).")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")
 @handle_errors
 def fit(budget, as_json, **kwargs):
-    """The largest batch size whose step of MODEL fits in --budget (exact, no search).
+    """The largest batch size whose step of MODEL fits in the GPU's memory or --budget (exact).
 
+    On the GPU (the default target: --gpu, else an H100) the budget is the device's memory, by
+    default the GPU's, and what must fit is the predicted device memory (nvidia-smi: reserved by
+    the caching allocator + the CUDA context).  --device cpu: the CPU's peak, against --budget.
     --batch only sets the batch size the model is captured at.
 
     \b
     Examples:
-      fxmem fit gpt --size gpt2-small --budget 80GiB
+      fxmem fit gpt --size gpt2-small                      # the default GPU's memory
+      fxmem fit gpt --size gpt2-small --gpu A100-40GB
       fxmem fit llama --size 7b --dtype bf16 --budget 80GiB --json
-      fxmem fit resnet --size resnet50 --mode inference --budget 16GB
+      fxmem fit resnet --size resnet50 --mode inference --budget 16GB --device cpu
       fxmem fit gpt --size gpt2-small --seq input_ids:1 --budget 24GiB   # also the longest s
     """
     opts = _options(kwargs)
     limit = _budget(budget)
+    from estimator.errors import InputError
+
+    if limit is None and opts.device != "cuda":
+        raise InputError("fxmem fit --device cpu needs --budget (e.g. 64GiB); on the GPU (the default target) the "
+                         "budget defaults to the GPU's memory")
     rep = _estimate(opts)
-    best = rep.max_batch(limit)
-    peak = rep.at(best) if best else None
-    max_seq = rep.max_seq(limit) if rep.seq is not None else None  # at the report's batch
     from estimator.units import format_bytes
 
+    gpu, given = rep.target.gpu, limit is not None
+    if not given:
+        if gpu.total_memory is None:
+            raise InputError(f"--gpu {opts.gpu} names an architecture, not a memory size: give --budget")
+        limit = gpu.total_memory
+        default = " (the default GPU's: --gpu for yours)" if rep.target.default_gpu else ""
+        budget = f"{format_bytes(limit)}, the {gpu.name}'s memory{default}"
+    best = rep.max_batch(limit)
+    peak = rep.at(best) if best else None
+    on_device = rep.on_device(best) if best and rep.cuda is not None else None
+    max_seq = rep.max_seq(limit) if rep.seq is not None else None  # at the report's batch
     if as_json:
         click.echo(json.dumps({
             "model": rep.model, "mode": rep.mode.value, "device": rep.device, "optimizer": rep.optimizer,
-            "budget_bytes": limit, "max_batch": best, "peak_bytes": peak, "peak": str(rep.peak),
+            "gpu": None if gpu is None else gpu.name, "budget_bytes": limit, "budget_given": given,
+            "max_batch": best, "peak_bytes": peak,
+            "reserved_bytes": None if on_device is None else on_device.reserved,
+            "device_bytes": None if on_device is None else on_device.device, "peak": str(rep.peak),
             "valid_from": rep.valid_from, "valid_to": rep.valid_to, "seq": rep.seq,
             "max_seq": None if max_seq is None else {"batch": rep.batch, "max_seq": max_seq},
             "notes": list(rep.notes),
         }, indent=2))
     elif best:
         at_seq = f" at s = {rep.seq}" if rep.seq is not None else ""
-        click.echo(f"largest batch that fits in {budget}{at_seq}: {best} (peak {format_bytes(peak)} = {peak:,} B)"
-                   f"{_range_note(rep, best)}")
+        used = (f"peak {format_bytes(peak)} = {peak:,} B" if on_device is None else
+                f"device memory {format_bytes(on_device.device)} = {on_device.device:,} B: {format_bytes(peak)} "
+                f"allocated, {format_bytes(on_device.reserved)} reserved + the CUDA context")
+        click.echo(f"largest batch that fits in {budget}{at_seq}: {best} ({used}){_range_note(rep, best)}")
     else:
-        smallest = rep.at(rep.valid_from)
-        click.echo(f"nothing fits in {budget}: the peak at b = {rep.valid_from} is already "
+        smallest = rep.at(rep.valid_from) if rep.cuda is None else rep.on_device(rep.valid_from).device
+        what = "the peak" if rep.cuda is None else "the device memory"
+        click.echo(f"nothing fits in {budget}: {what} at b = {rep.valid_from} is already "
                    f"{format_bytes(smallest)} ({smallest:,} B)")
     if max_seq is not None and not as_json:
         click.echo(f"longest sequence that fits in {budget} at b = {rep.batch}: {max_seq}")
@@ -526,7 +640,7 @@ def compare(devices, specs, budget, as_json, **kwargs):
     \b
     Examples:
       fxmem compare gpt --size gpt2-small --batch 8
-      fxmem compare gpt --batch 8 --devices 8 --budget 80GiB --device cuda
+      fxmem compare gpt --batch 8 --devices 8 --budget 80GiB
       fxmem compare mlp --strategy data_parallel=2 --strategy data_parallel=2,sharding=zero3
     """
     opts = _options(kwargs)
@@ -545,7 +659,8 @@ def compare(devices, specs, budget, as_json, **kwargs):
 @cli.command(epilog=MODEL_HELP, short_help="the strategies that fit a budget per device, best first.")
 @model_options(strategy=False)
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=1, show_default=True, help="devices available.")
-@click.option("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default with --device cuda: the GPU's).")
+@click.option("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the GPU's; --device cpu needs "
+              "one).")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")
 @handle_errors
 def plan(devices, budget, as_json, **kwargs):
@@ -555,7 +670,7 @@ def plan(devices, budget, as_json, **kwargs):
     \b
     Examples:
       fxmem plan gpt --size gpt2-medium --budget 24GiB --devices 4
-      fxmem plan llama --size 7b --device cuda --gpu A100-80GB --devices 8
+      fxmem plan llama --size 7b --gpu A100-80GB --devices 8
     """
     opts = _options(kwargs)
     _no_step(opts, "plan")

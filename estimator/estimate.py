@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from estimator import step
+from estimator import dtype_formula, step
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import datadep
 from estimator.capture import path as capture_path
@@ -19,8 +20,8 @@ from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
 from estimator.corrections.cuda import cudnn
-from estimator.errors import InputError
-from estimator.report.result import ModuleRow, Piece, RankReport, Report
+from estimator.errors import CaptureError, InputError
+from estimator.report.result import Generated, ModuleRow, Piece, RankReport, Report
 from estimator.strategy import DEFAULT, Strategy, blocks, select
 from estimator.strategy.ranks import per_rank
 from estimator.symbolic import ZERO, Poly, nondominated
@@ -39,7 +40,7 @@ def report(
     mode: str = "train",
     optimizer: str | step.OptimizerFactory | None = DEFAULT_OPTIMIZER,
     loss_fn: step.LossFn | None = None,
-    device: str = "cpu",
+    device: str = "cuda",
     gpu: str | int | None = None,
     alloc_conf: str | None = None,
     amp: str | None = None,
@@ -50,6 +51,9 @@ def report(
     batch_dims: int | Mapping | None = None,
     step: step.StepFn | None = None,
     keep_output: bool | None = None,
+    new_tokens: int | None = None,
+    cache_implementation: str | None = None,
+    dtype_symbols: bool = False,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -65,8 +69,11 @@ def report(
             dim 0 of every tensor is the batch (``batch_dims`` names another), of any size.
         batch: the batch size to evaluate at (default: the sample's); any integer
             (``numpy.int64`` too).
-        mode: ``"train"`` (forward, loss, backward, optimizer step) or ``"inference"``
-            (``eval()`` + ``no_grad``); any case.
+        mode: ``"train"`` (forward, loss, backward, optimizer step), ``"inference"``
+            (``eval()`` + ``no_grad``) or ``"generate"`` (a transformers model's
+            ``model.generate(**sample, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False)``: the prefill of the prompt, then a decode step per new token; the
+            KV cache is its own category, ``Report.generation`` its bytes per token); any case.
         optimizer: a name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``, …), a callable
             ``params -> Optimizer``, or None (no optimizer step).  Inference has no optimizer
             step: an optimizer other than the default is ignored there, with a note (as on the
@@ -74,14 +81,16 @@ def report(
         loss_fn: ``loss_fn(output, sample) -> scalar``; default ``output.loss`` if present, else
             the mean of the first floating-point output.
         device: the target whose memory is predicted (a ``torch.device`` or string, any case, an
-            index such as ``"cuda:1"`` allowed): ``"cpu"`` (exact against PyTorch's CPU
-            allocator) or ``"cuda"``: the step as CUDA runs it (attention backends, fused
-            kernels, foreach optimizers), replayed through a model of the caching allocator;
-            ``peak_bytes`` is then the predicted ``torch.cuda.max_memory_allocated()``,
-            ``reserved_bytes`` ``max_memory_reserved()``, ``device_bytes`` nvidia-smi's figure.
+            index such as ``"cuda:1"`` allowed): ``"cuda"`` (the default): the step as CUDA runs
+            it on the GPU named by ``gpu`` (attention backends, fused kernels, foreach
+            optimizers), replayed through a model of the caching allocator; ``peak_bytes`` is
+            then the predicted ``torch.cuda.max_memory_allocated()``, ``reserved_bytes``
+            ``max_memory_reserved()``, ``device_bytes`` nvidia-smi's figure.  ``"cpu"``: the
+            CPU (exact against PyTorch's CPU allocator).  No GPU is needed for either.
         gpu: CUDA only: the GPU (``"H100"``, ``"A100 80GB"``, ``"sm_90"``, or a memory size such
             as ``"24GiB"``): its architecture decides kernel choices and workspaces, its
-            memory is the default budget of ``fits``/``max_batch``.  Default: an H100 (noted).
+            memory is the default budget of ``fits``/``max_batch``.  Default: an H100 (said in
+            the report's first line and a note).
         alloc_conf: CUDA only: a ``PYTORCH_CUDA_ALLOC_CONF`` string (default: the
             environment's); options the allocator model cannot honour raise ``InputError``.
         amp: mixed precision: ``"fp16"`` or ``"bf16"`` (any case) runs the forward and the loss inside
@@ -132,13 +141,27 @@ def report(
             tuple/dict holding optimizers, an ``AveragedModel``, a ``GradScaler``: objects the
             step keeps between steps belong there).  With ``mode="inference"`` the model is in
             eval mode and ``state`` is None (your step chooses ``torch.no_grad``).  ``loss_fn``,
-            ``amp``/``grad_scaler`` and strategies other than ``Strategy(checkpoint=...)`` belong
-            to the built-in step and are refused with ``step=``.
+            ``amp``/``grad_scaler`` and strategies other than ``Strategy(checkpoint=...)`` and
+            ``Strategy(accumulate=k)`` belong to the built-in step and are refused with ``step=``;
+            with ``accumulate=k`` ``b`` is the optimizer step's batch and your step is handed all
+            ``b`` rows, to split into its ``k`` micro-batches itself
+            (``estimator.step.micro_batches(sample, k)``).
         keep_output: the built-in training step keeps the model's output alive through backward
             and the optimizer step (True, the default: ``out = model(x); loss = loss_fn(out, y);
             loss.backward()`` as in PyTorch's tutorials and nanoGPT) or drops it before
             ``backward()`` (False: Hugging Face's ``Trainer``, Lightning and torchtitan, whose loss
             helpers return the loss only).  A note gives the output's bytes at the peak.
+        new_tokens: ``mode="generate"``: the tokens generated per sequence (required there).
+        cache_implementation: ``mode="generate"``: None / ``"dynamic"`` (transformers' default
+            ``DynamicCache``, grown at every step) or ``"static"`` (a ``StaticCache`` sized for
+            prompt + new tokens at the prefill), as ``generate(cache_implementation=)`` takes it.
+        dtype_symbols: also write the bytes in terms of the element width ``w`` of the model's float
+            dtype (``Report.dtype_formula``: parameters ``Ψ·w``, Adam's state ``2Ψ·w``, fp32 master
+            copies constant): the step is captured again with the model cast to fp32 (``w = 4``),
+            bf16 and fp16 (``w = 2``), and each candidate peak is the line through its bytes at the
+            two widths, exact at all three (fp16 gets a line of its own where its step holds other
+            bytes than bf16's).  Not with ``amp`` (autocast has no second width) nor with strategies
+            over several devices.
 
     Hooks: hooks registered on the model's modules run in the fake run, on the copy: each hook
     function is copied with the lists, dicts and sets it reaches (closure, globals), so what it
@@ -154,16 +177,32 @@ def report(
     Example:
         >>> import torch, estimator
         >>> model = torch.nn.Linear(16, 4)
-        >>> rep = estimator.report(model, torch.randn(8, 16), batch=32, optimizer="sgd")
-        >>> rep.peak_bytes == rep.at(32)
+        >>> rep = estimator.report(model, torch.randn(8, 16), batch=32, optimizer="sgd")  # an H100
+        >>> rep.peak_bytes == rep.at(32) and rep.peak_bytes <= rep.reserved_bytes <= rep.device_bytes
+        True
+        >>> estimator.report(model, torch.randn(8, 16), batch=32, optimizer="sgd", device="cpu").reserved_bytes is None
         True
 
     Known limitations: memory must be polynomial in ``b`` (models whose batch rows interact
     through data-dependent shapes cannot be captured); sample tensors become contiguous.
     """
     request = _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
-                       dynamic, strategy, data_dependent, batch_dims, step, keep_output)
-    return _result(request, _capture_step(request))
+                       dynamic, strategy, data_dependent, batch_dims, step, keep_output, new_tokens,
+                       cache_implementation)
+    if not isinstance(dtype_symbols, bool):
+        raise InputError(f"dtype_symbols must be True or False, got {dtype_symbols!r}")
+    if not dtype_symbols:
+        return _result(request, _capture_step(request))
+    dtype_formula.check(request)
+    formula = _capture_formula(request)
+
+    def cast(model_, sample_, strategy_) -> _Request:  # the same arguments for the model in another dtype
+        return _request(model_, sample_, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
+                        dynamic, strategy_, data_dependent, batch_dims, step, keep_output, new_tokens,
+                        cache_implementation)
+
+    return dataclasses.replace(_result(request, _capture_step(request, formula)),
+                               dtype_formula=dtype_formula.build(request, formula, cast, _capture_formula))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,12 +242,21 @@ class _Request:
 
 
 def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler, dynamic,
-             strategy, data_dependent="max", batch_dims=None, user_step=None, keep_output=None) -> _Request:
+             strategy, data_dependent="max", batch_dims=None, user_step=None, keep_output=None, new_tokens=None,
+             cache_implementation=None) -> _Request:
     notes = []
     model = _module(model, notes)
     sample_batch, dims = _sample_layout(sample, batch_dims)
     batch = sample_batch if batch is None else as_int(batch, "batch")
     mode_ = _mode(mode)
+    generation = _generation(model, sample, mode_, user_step, new_tokens, cache_implementation)
+    if generation is not None:
+        given = [name for name, value in (("loss_fn", loss_fn), ("amp", amp), ("grad_scaler", grad_scaler),
+                                          ("keep_output", keep_output), ("strategy", strategy)) if value is not None]
+        if given:
+            raise InputError(f"mode='generate' runs model.generate() as it is: drop {', '.join(given)} (cast the "
+                             "model, e.g. model.to(torch.bfloat16), for a low-precision generation)")
+        user_step = generation
     device_ = _device(device)
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(f"loss_fn must be callable (output, sample) -> scalar, got {type(loss_fn).__name__}")
@@ -235,7 +283,10 @@ def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_
         notes.append(f"optimizer={_optimizer_name(optimizer)!r} is ignored: inference has no optimizer step")
     if batch_dims is None:
         notes.extend(_sequence_first(model))
-    if user_step is not None:
+    if generation is not None:
+        notes.append(f"the step is {generation}: the prefill of the prompt, then {generation.new_tokens - 1} decode "
+                     "step(s), each a call of the model on the last token with the cache")
+    elif user_step is not None:
         notes.append(f"the step is yours ({_optimizer_name(user_step)}), captured as it ran; its phases were found "
                      "from its backward() and optimizer.step() calls (ops after a backward outside any module call, "
                      "such as clipping or an EMA update, count as the optimizer phase)")
@@ -256,12 +307,16 @@ def _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output
         raise InputError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the built-in step; with step= your "
                          "step computes its loss, autocasts (torch.autocast) and keeps what it keeps itself: "
                          f"drop {' and '.join(given)}")
+    # accumulate=k with a step of yours: b is the optimizer step's batch, the step is handed all of
+    # its k micro-batches' rows and splits them itself (step.micro_batches); the capture's symbol
+    # is the micro-batch, so the formulas stay polynomial in b.
     if strategy is not None and isinstance(strategy, Strategy) and (
-            dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False) != DEFAULT):
-        raise InputError(f"strategy={strategy.describe()!r} transforms the built-in step (accumulation, precision, "
-                         "data, sharding and pipeline parallelism) and cannot combine with step=; with your own step, "
-                         "Strategy(checkpoint=...) applies (it wraps modules), the rest is yours to write in the step "
-                         "or to estimate with the built-in step")
+            dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False, accumulate=1) != DEFAULT):
+        raise InputError(f"strategy={strategy.describe()!r} transforms the built-in step (precision, data, sharding "
+                         "and pipeline parallelism) and cannot combine with step=; with your own step, "
+                         "Strategy(checkpoint=...) applies (it wraps modules) and Strategy(accumulate=k) (your step "
+                         "gets the k micro-batches' rows and splits them itself), the rest is yours to write in the "
+                         "step or to estimate with the built-in step")
 
 
 def _module(model, notes: list[str]) -> nn.Module:
@@ -292,7 +347,35 @@ def _mode(mode) -> Mode:
     try:
         return Mode(mode.lower() if isinstance(mode, str) else mode)
     except ValueError:
-        raise InputError(f"mode must be 'train' or 'inference', got {mode!r}") from None
+        raise InputError(f"mode must be 'train', 'inference' or 'generate', got {mode!r}") from None
+
+
+def _generation(model: nn.Module, sample: Any, mode: Mode, user_step, new_tokens,
+                cache_implementation) -> step.Generation | None:
+    """``mode="generate"``'s arguments, checked: a model with ``generate()``, a dict sample (its
+    ``input_ids``), ``new_tokens >= 1``, a cache implementation fxmem knows."""
+    if mode is not Mode.GENERATE:
+        given = [n for n, v in (("new_tokens", new_tokens), ("cache_implementation", cache_implementation)) if v is not None]
+        if given:
+            raise InputError(f"{' and '.join(given)} belong{'s' if len(given) == 1 else ''} to mode='generate', "
+                             f"got mode={mode.value!r}")
+        return None
+    if user_step is not None:
+        raise InputError("mode='generate' runs model.generate(); for a generation loop of your own pass it as "
+                         "step= with mode='inference'")
+    if not callable(getattr(model, "generate", None)):
+        raise InputError(f"mode='generate' needs a model with generate() (a transformers causal LM), got "
+                         f"{type(model).__name__}")
+    if not isinstance(sample, Mapping) or not isinstance(sample.get("input_ids"), torch.Tensor):
+        raise InputError("mode='generate' takes the sample as generate(**sample) does: a dict with 'input_ids' "
+                         "(and 'attention_mask'), e.g. {'input_ids': ids}")
+    if new_tokens is None:
+        raise InputError("mode='generate' needs new_tokens=, the tokens to generate per sequence")
+    n = as_int(new_tokens, "new_tokens")
+    if cache_implementation not in step.CACHE_IMPLEMENTATIONS:
+        raise InputError(f"cache_implementation must be one of {step.CACHE_IMPLEMENTATIONS}, got "
+                         f"{cache_implementation!r}")
+    return step.Generation(n, cache_implementation)
 
 
 def _device(device) -> str:
@@ -381,6 +464,10 @@ def _result(request: _Request, step_: Captured) -> Report:
         "strategy": strategy,
         "data_dependent": step_.data_dependent,
     }
+    if spec.mode is Mode.GENERATE:
+        prompt = step_.seq if step_.seq is not None else request.sample["input_ids"].shape[-1]
+        common["generation"] = _generated(spec.step, step_.at_batch or step_.timeline, batch, prompt)
+        notes.append(_generated_note(common["generation"], batch))
     if not strategy.distributed:
         rep = _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
         return rep if rep.cuda is None else dataclasses.replace(rep, notes=(*rep.notes, cuda.run_note(rep.cuda)))
@@ -423,10 +510,10 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
     target, batch, seq = common["target"], common["batch"], common["seq"]
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
-    candidates = _candidates(timeline)
+    candidates = timeline.candidates()
     keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
-    pieces = tuple(_piece(timeline, *candidates[i][1], fixed) for i in keep)
-    _, (peak_index, peak_k) = max(_candidates(at_batch), key=lambda c: c[0](batch))
+    pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
+    _, (peak_index, peak_k) = max(at_batch.candidates(), key=lambda c: c[0](batch))
     formulas = timeline if not step_.outside else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
@@ -437,11 +524,34 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
         pieces=pieces,
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
-        peak_piece=_piece(formulas, peak_index, peak_k, fixed),
+        peak_piece=Piece.at(formulas, peak_index, peak_k, fixed),
         modules=_module_rows(model, at_batch, peak_index),
         timeline=timeline,
         cuda=on_device,
     )
+
+
+def _generated(generation: step.Generation, timeline: Timeline, batch: int, prompt: int) -> Generated:
+    decoding = timeline.decoding
+    if decoding is None or not decoding.calls:
+        raise CaptureError("mode='generate': generate() never called the model")
+    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
+    call = max(bisect.bisect_right(decoding.calls, peak) - 1, 0)
+    return Generated(generation.new_tokens, prompt, decoding.cache or "no cache", decoding.bytes_per_token,
+                     decoding.tokens, call)
+
+
+def _generated_note(generated: Generated, batch: int) -> str:
+    cache = (f"its {generated.cache} holds {generated.kv_bytes_per_token:,} B per token and sequence "
+             f"(keys and values of every layer): {generated.kv_bytes(batch):,} B for {generated.cache_tokens} tokens "
+             f"x {batch} sequences after the last call" if generated.kv_bytes_per_token else
+             "the model returned no KV cache (past_key_values): nothing is counted as one")
+    needed = generated.prompt_tokens + generated.new_tokens - 1  # the last new token's keys are never computed
+    if generated.cache == "StaticCache" and generated.cache_tokens > needed:
+        cache += (f"; it is sized for {generated.cache_tokens} tokens, more than this call needs "
+                  f"({needed}): transformers sizes a static cache for the longest generation the model object has "
+                  "run (its _previous_max_cache_length), as a real call on this model would")
+    return f"generate: the peak is in {generated.where}; {cache}"
 
 
 def _kept_output_note(timeline: Timeline, batch: int) -> list[str]:
@@ -453,7 +563,7 @@ def _kept_output_note(timeline: Timeline, batch: int) -> list[str]:
     total = sum(nbytes(batch) for nbytes, _ in kept)
     if not total:
         return []
-    _, (peak, _) = max(_candidates(timeline), key=lambda c: c[0](batch))
+    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
     at_peak = all(op <= peak for _, op in kept)
     where = ("part of the peak: a loop that drops the output before backward() (Hugging Face's Trainer, Lightning, "
              "torchtitan; keep_output=False) peaks up to that much lower" if at_peak else "not part of the peak")
@@ -614,19 +724,6 @@ def _named_tensors(sample: Any, prefix: str = ""):
     elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
         for i, v in enumerate(sample):
             yield from _named_tensors(v, f"{prefix}[{i}]")
-
-
-def _candidates(timeline: Timeline) -> list[tuple[Poly, tuple[int, int]]]:
-    """Every candidate peak with its (op index, scratch index); the baseline if no op ran."""
-    found = [(poly, (i, k)) for i, op in enumerate(timeline.ops) for k, poly in enumerate(op.peaks())]
-    return found or [(sum(timeline.baseline, ZERO), (-1, 0))]
-
-
-def _piece(timeline: Timeline, index: int, k: int, fixed: Poly = ZERO) -> Piece:
-    if index < 0:
-        return Piece(sum(timeline.baseline, ZERO) + fixed, Phase.FORWARD, "(before the step)", None, "")
-    op = timeline.ops[index]
-    return Piece(op.peaks()[k] + fixed, op.phase, op.op + (" (kernel scratch)" if k else ""), op.node, op.module)
 
 
 def _module_rows(model: nn.Module, timeline: Timeline, peak_index: int) -> tuple[ModuleRow, ...]:

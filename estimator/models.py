@@ -137,15 +137,19 @@ def resolve(
     batch: int | None = None,
     dtype: str | None = None,
     device_init: str = "meta",
+    seq_len: int | None = None,
 ) -> Built:
     """Build the MODEL argument ``text``.
 
     ``size`` applies to zoo models only (default ``debug``); ``batch`` is the sample's batch
     size for zoo and integration models (a factory's sample keeps its own); ``dtype``
     (``fp32``/``bf16``/``fp16``) casts the parameters and the sample's floating tensors;
-    ``device_init`` is where zoo and integration models are built (``meta``: no memory).
+    ``device_init`` is where zoo and integration models are built (``meta``: no memory);
+    ``seq_len`` the tokens per sample of a transformers model.
     """
     spec = parse(text)
+    if seq_len is not None and not (spec.kind == "integration" and spec.target == "transformers"):
+        raise InputError(f"--seq-len applies to transformers models only, not to {spec.label!r}")
     if size is not None and spec.kind != "zoo":
         raise InputError(f"--size applies to zoo models only, not to {spec.label!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -153,7 +157,7 @@ def resolve(
     if spec.kind == "zoo":
         built = _zoo(spec.target, size or DEFAULT_ZOO_SIZE, batch, dtype, device_init)
     elif spec.kind == "integration":
-        built = _cast(_integration(spec, batch, dtype, device_init), dtype, model_too=False)
+        built = _cast(_integration(spec, batch, dtype, device_init, seq_len), dtype, model_too=False)
     else:
         built = _cast(_factory(spec), dtype)
     return built
@@ -180,7 +184,8 @@ def _zoo(name: str, size: str, batch: int | None, dtype: str | None, device_init
     return _cast(built, dtype, model_too=False) if cast else built
 
 
-def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: str) -> Built:
+def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: str,
+                 seq_len: int | None = None) -> Built:
     try:
         from estimator.integrations import build
     except ModuleNotFoundError as exc:
@@ -188,7 +193,9 @@ def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: 
             raise InputError(f"{spec.label}: this fxmem has no estimator.integrations module") from None
         raise
     batch = batch or 2
-    model, sample, loss_fn = build(spec.target, spec.name, batch=batch, device=device_init, dtype=_torch_dtype(dtype))
+    options = {} if seq_len is None else {"seq_len": seq_len}
+    model, sample, loss_fn = build(spec.target, spec.name, batch=batch, device=device_init, dtype=_torch_dtype(dtype),
+                                   **options)
     return Built(model, sample, loss_fn, spec.label, batch)
 
 

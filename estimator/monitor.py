@@ -1,7 +1,7 @@
 """Live memory monitor for a real training loop: memory measured per step and per phase,
 compared with fxmem's prediction, and a ``MemoryWarning`` before a predicted out-of-memory.
 
-    rep = estimator.report(model, sample, batch=32)             # the prediction (optional)
+    rep = estimator.report(model, sample, batch=32)             # the prediction, for the GPU (optional)
     with MemoryMonitor(rep, device="cuda", budget="80GiB") as mon:
         for x, y in loader:
             mon.phase("forward", batch=len(x)); loss = loss_fn(model(x), y)
@@ -297,6 +297,8 @@ class MemoryMonitor:
     Args:
         prediction: an ``estimator.report(...)`` of the step (optional): each step is compared
             with ``prediction.at(batch)``, each phase with the prediction's peak in that phase.
+            ``estimator.report`` predicts for a GPU by default (``device="cuda"``): to monitor a
+            loop on the CPU, predict with ``device="cpu"``.
         device: ``"cuda"`` (or ``"cuda:1"``, a ``torch.device``) or ``"cpu"``; default CUDA when
             available.
         budget: bytes or ``"80GiB"``; default: the CUDA device's total memory, none on CPU.

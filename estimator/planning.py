@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from estimator.errors import InputError
-from estimator.estimate import _capture_formula, _capture_step, _request, _result, _sample_batch
+from estimator.estimate import _capture_formula, _capture_step, _device, _request, _result, _sample_batch
 from estimator.report.result import Report
 from estimator.strategy import Sharding, Strategy, blocks
 from estimator.units import as_int, format_bytes, parse_bytes
@@ -92,20 +92,25 @@ class Comparison:
         from tabulate import tabulate
 
         cuda = self.rows[0].report.cuda is not None
-        headers = [*(["#"] if self.ranked else []), "strategy", "devices", "peak per device", *(["device memory"] if cuda else []), "vs baseline",
+        peaks = ["allocated per device", "reserved", "device memory"] if cuda else ["peak per device"]
+        headers = [*(["#"] if self.ranked else []), "strategy", "devices", *peaks, "vs baseline",
                    "samples/step", *(["max b", "max samples/step"] if self.budget is not None else []),
                    "communication/step", "extra cost"]
         rows = []
         for i, r in enumerate(self.rows, 1):
             row = [*([i] if self.ranked else []), r.label, r.devices, format_bytes(r.peak_bytes)]
             if cuda:
-                row.append(format_bytes(r.device_bytes))
+                row += [format_bytes(r.report.reserved_bytes), format_bytes(r.device_bytes)]
             row += [f"{-100 * r.saving:+.1f} %" if r.label != self.baseline else "baseline", r.samples_per_step]
             if self.budget is not None:
                 row += [r.max_batch, r.max_samples_per_step]
             row += [format_bytes(r.communication_bytes) if r.communication_bytes else "-", r.cost]
             rows.append(row)
-        title = f"fxmem {'plan' if self.ranked else 'compare'}: {self.rows[0].report.model}, b = {self.batch}"
+        from estimator.report.render import target_text
+
+        first = self.rows[0].report
+        title = (f"fxmem {'plan' if self.ranked else 'compare'}: {first.model}, b = {self.batch}, "
+                 f"{target_text(first.target)}")
         if self.budget is not None:
             title += f", budget {format_bytes(self.budget)} per device"
         lines = [title, "", tabulate(rows, headers=headers, disable_numparse=True)]
@@ -148,7 +153,7 @@ def compare(
     mode: str = "train",
     optimizer="adamw",
     loss_fn=None,
-    device: str = "cpu",
+    device: str = "cuda",
     gpu: str | int | None = None,
     alloc_conf: str | None = None,
     dynamic: Mapping | None = None,
@@ -161,8 +166,9 @@ def compare(
 
     ``strategies``: ``Strategy`` objects (labelled by ``Strategy.describe()``) or a
     ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.  The other
-    arguments are ``estimator.report``'s (a user's own ``step=`` cannot combine with the strategies
-    compared: estimate it with ``report``).  Each distinct single-device step is captured once.
+    arguments are ``estimator.report``'s (``device="cuda"`` by default, on the GPU ``gpu=``,
+    default an H100; a user's own ``step=`` cannot combine with the strategies compared:
+    estimate it with ``report``).  Each distinct single-device step is captured once.
     """
     devices = as_int(devices, "devices")
     limit = None if budget is None else parse_bytes(budget)
@@ -213,14 +219,15 @@ def plan(
     **options,
 ) -> Comparison:
     """The strategies for ``devices`` devices whose step fits ``budget`` per device (bytes or
-    ``"80GiB"``; CUDA: default the GPU's memory), ranked by the most samples per optimizer step
-    they allow (``max_batch`` times the data-parallel degree), then by the least
-    communication.  ``strategies`` default: ``default_strategies`` plus their combinations
-    with bf16 autocast and checkpointing.  Options: as ``compare``."""
+    ``"80GiB"``; default: the memory of the GPU ``gpu=``, an H100 by default; ``device="cpu"``
+    needs one), ranked by the most samples per optimizer step they allow (``max_batch`` times
+    the data-parallel degree), then by the least communication.  ``strategies`` default:
+    ``default_strategies`` plus their combinations with bf16 autocast and checkpointing.
+    Options: as ``compare``."""
     batch = options.pop("batch", None)
-    if budget is None and options.get("device", "cpu") != "cuda":
-        raise InputError("plan needs a budget per device (bytes or e.g. '80GiB'); only device='cuda' has a "
-                         "default (the GPU's memory)")
+    if budget is None and _device(options.get("device", "cuda")) != "cuda":
+        raise InputError("plan needs a budget per device (bytes or e.g. '80GiB') with device='cpu'; on a GPU "
+                         "(device='cuda', the default) it defaults to the GPU's memory")
     if strategies is None:
         named, _ = default_strategies(model, batch or _sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)

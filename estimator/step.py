@@ -329,6 +329,41 @@ def inference_step(
         return call_model(model, sample)
 
 
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """``mode="generate"``'s step: ``model.generate(**sample, max_new_tokens=n,
+    min_new_tokens=n, do_sample=False)`` (``cache_implementation="static"``: a ``StaticCache``
+    allocated for the whole sequence at the prefill; None or ``"dynamic"``: transformers'
+    default ``DynamicCache``, grown by ``torch.cat`` at every step).  ``min_new_tokens`` keeps an
+    end-of-sequence token from stopping it early: the run is prefill plus ``n - 1`` decode
+    steps whatever the weights.  Called as a user's step: ``(model, sample, state)``."""
+
+    new_tokens: int
+    cache_implementation: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        kwargs = {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": False}
+        if self.cache_implementation not in (None, "dynamic"):
+            kwargs["cache_implementation"] = self.cache_implementation
+        return kwargs
+
+    def __call__(self, model: nn.Module, sample: Any, state: Any = None) -> Any:
+        return model.generate(**sample, **self.kwargs())
+
+    @staticmethod
+    def prompt(sample: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A training sample as a prompt: its ``input_ids`` and ``attention_mask`` (ones when it has
+        none: no padding), without the labels (``generate`` would hand them to every call)."""
+        ids = sample["input_ids"]
+        return {"input_ids": ids, "attention_mask": sample.get("attention_mask", torch.ones_like(ids))}
+
+    def __str__(self) -> str:
+        return f"model.generate({', '.join(f'{k}={v!r}' for k, v in self.kwargs().items())})"
+
+
 class MasterWeights:
     """fp32 master weights for low-precision parameters (the recipe of apex's O2 / Megatron's
     ``Float16OptimizerWithFloat16Params``): the optimizer updates fp32 copies of the parameters,
@@ -340,7 +375,8 @@ class MasterWeights:
 
     def __init__(self, params, factory: OptimizerFactory):
         self.params = [p for p in params if p.requires_grad]
-        self.masters = [nn.Parameter(p.detach().to(torch.float32)) for p in self.params]
+        # copy=True: copies even of fp32 parameters (the w = 4 point of report(dtype_symbols=True))
+        self.masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         self.inner = factory(self.masters)
         self.param_groups = [{**group, "params": self.params} for group in self.inner.param_groups[:1]]
         self.defaults = self.inner.defaults
@@ -351,7 +387,7 @@ class MasterWeights:
 
     def step(self, closure=None):
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+            m.grad = None if p.grad is None else p.grad.to(torch.float32, copy=True)
         self.inner.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
@@ -574,6 +610,11 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     modules = dict(model.named_modules())
     seen = {id(t) for t in [*model.parameters(), *model.buffers()]} | {id(m) for m in modules.values()}
     return _tensors_in(modules, seen, module_tree=True)
+
+
+def tensors_in(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors an object holds (a KV cache: its layers' keys and values), by attribute path."""
+    return _tensors_in({"": obj}, set())
 
 
 def _tensors_in(roots: dict[str, Any], seen: set[int], module_tree: bool = False) -> dict[str, torch.Tensor]:

@@ -299,3 +299,67 @@ def max_fitting(polys: Sequence[Poly], budget: int, lo: int, hi: int | None) -> 
         mid = (good + bad) // 2
         good, bad = (mid, bad) if peak(mid) <= budget else (good, mid)
     return good if hi is None else min(good, hi)
+
+
+# The element width of the model's float dtype: bytes per element (fp32 4, bf16 and fp16 2).
+W = sympy.Symbol("w", integer=True, positive=True)
+
+
+@dataclass(frozen=True, slots=True)
+class WidthPoly:
+    """Bytes as a line in the element width ``w`` through two captures of one step: ``lo`` bytes
+    (a ``Poly`` in ``b`` and ``s``) at ``w = w_lo``, ``hi`` at ``w = w_hi``.
+
+    A tensor in the model's dtype comes out as ``numel·w``, a tensor of a fixed dtype (an fp32
+    master copy, int64 indices) as a constant.  Exact at the two captured widths by construction;
+    anywhere else the line is an extrapolation (``at_width`` computes it where it is an integer).
+    """
+
+    lo: Poly
+    hi: Poly
+    w_lo: int = 2
+    w_hi: int = 4
+
+    def __add__(self, other: WidthPoly) -> WidthPoly:
+        if (self.w_lo, self.w_hi) != (other.w_lo, other.w_hi):
+            raise ValueError(f"widths {self.w_lo}/{self.w_hi} and {other.w_lo}/{other.w_hi} differ")
+        return WidthPoly(self.lo + other.lo, self.hi + other.hi, self.w_lo, self.w_hi)
+
+    def at_width(self, w: int) -> Poly:
+        """The polynomial in ``b`` (and ``s``) at width ``w`` (``NotPolynomial`` where the line has
+        no integer coefficients there)."""
+        if w == self.w_lo:
+            return self.lo
+        if w == self.w_hi:
+            return self.hi
+        return _divided(self.lo * (self.w_hi - w) + self.hi * (w - self.w_lo), self.w_hi - self.w_lo)
+
+    def __call__(self, b: int, w: int, s: int | None = None) -> int:
+        return self.at_width(w)(b, s)
+
+    @property
+    def terms(self) -> tuple[Poly, Poly, int]:
+        """``(a, c, d)``: the bytes are ``(a + c·w) / d``, ``a`` and ``c`` with integer coefficients
+        and ``d >= 1`` the smallest such denominator."""
+        d = self.w_hi - self.w_lo
+        a, c = self.lo * self.w_hi - self.hi * self.w_lo, self.hi - self.lo
+        g = math.gcd(d, *_coefficients(a), *_coefficients(c))
+        return _divided(a, g), _divided(c, g), d // g
+
+    @property
+    def expr(self) -> sympy.Expr:
+        a, c, d = self.terms
+        return sympy.collect(sympy.expand((a.expr + c.expr * W) / d), W)
+
+    def __str__(self) -> str:
+        return str(self.expr)
+
+
+def _coefficients(p: Poly) -> list[int]:
+    return [*p.coeffs, *(c for _, _, c in p.mixed)]
+
+
+def _divided(p: Poly, d: int) -> Poly:
+    if any(c % d for c in _coefficients(p)):
+        raise NotPolynomial(f"{p} / {d} has non-integer coefficients")
+    return _make(tuple(c // d for c in p.coeffs), tuple((i, j, c // d) for i, j, c in p.mixed))

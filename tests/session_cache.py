@@ -31,4 +31,5 @@ def zoo_report(name: str, mode: str, batch: int) -> estimator.Report:
     """Zoo model ``name`` (``debug``) captured from a sample of 8 rows for ``batch``: AdamW, the
     model's own loss (a batch outside the formula's range is captured again at ``batch``)."""
     model, make_sample, loss_fn = models_zoo.get(name, "debug")
-    return estimator.report(model, make_sample(8), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn)
+    return estimator.report(model, make_sample(8), batch=batch, mode=mode, optimizer="adamw", loss_fn=loss_fn,
+                            device="cpu")

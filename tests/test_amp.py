@@ -95,12 +95,12 @@ def test_cpu_target_is_exact_against_the_measurement(name, b, amp):
     # fp16 trains with a GradScaler (the default), bf16 without; both with AdamW.
     make, x, loss_fn = CASES[name]
     torch.manual_seed(0)
-    rep = estimator.report(make(), x(b), amp=amp, loss_fn=loss_fn)
+    rep = estimator.report(make(), x(b), amp=amp, loss_fn=loss_fn, device="cpu")
     torch.manual_seed(0)
     measured = measure_cpu(make(), x(b), amp=amp, loss_fn=loss_fn)
     assert rep.peak_bytes == measured.peak_bytes
     # the GradScaler's 0-dim fp32 scale and int32 growth tracker: 4 + 4 B of optimizer state
-    no_scaler = estimator.report(make(), x(b), amp=amp, loss_fn=loss_fn, grad_scaler=False)
+    no_scaler = estimator.report(make(), x(b), amp=amp, loss_fn=loss_fn, grad_scaler=False, device="cpu")
     assert rep.breakdown[Category.OPTIMIZER_STATE] - no_scaler.breakdown[Category.OPTIMIZER_STATE] == (
         8 if amp == "fp16" else 0
     )
@@ -109,7 +109,7 @@ def test_cpu_target_is_exact_against_the_measurement(name, b, amp):
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_cpu_inference_with_autocast_is_exact(amp):
     torch.manual_seed(0)
-    rep = estimator.report(Block(), torch.randint(0, 20, (3, 4)), mode="inference", amp=amp)
+    rep = estimator.report(Block(), torch.randint(0, 20, (3, 4)), mode="inference", amp=amp, device="cpu")
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(Block(), torch.randint(0, 20, (3, 4)), mode="inference", amp=amp).peak_bytes
 
@@ -120,7 +120,7 @@ def test_cpu_conv_in_low_precision(amp):
     # both measured on the host (estimator.target.cpu), so exact
     x = torch.randn(3, 3, 8, 8)
     torch.manual_seed(0)
-    rep = estimator.report(Conv(), x, optimizer="sgd", amp=amp)
+    rep = estimator.report(Conv(), x, optimizer="sgd", amp=amp, device="cpu")
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(Conv(), x, optimizer="sgd", amp=amp).peak_bytes
 
@@ -244,7 +244,8 @@ class Bce(nn.Module):
 
 def test_binary_cross_entropy_is_banned_under_cuda_autocast_only():
     x = torch.randn(4, 16)
-    assert estimator.report(Bce(), x, amp="fp16", optimizer="sgd", loss_fn=lambda out, x: out).peak_bytes > 0
+    assert estimator.report(Bce(), x, amp="fp16", optimizer="sgd", loss_fn=lambda out, x: out,
+                            device="cpu").peak_bytes > 0
     with pytest.raises(CaptureError, match="binary_cross_entropy.*unsafe to autocast"):
         estimator.report(Bce(), x, amp="fp16", optimizer="sgd", loss_fn=lambda out, x: out, device="cuda")
 
@@ -291,18 +292,18 @@ def test_the_op_lists_match_this_torch():
 def test_bad_precision_arguments():
     x = torch.randn(2, 16)
     with pytest.raises(InputError, match="amp must be one of"):
-        estimator.report(nn.Linear(16, 4), x, amp="fp8")
+        estimator.report(nn.Linear(16, 4), x, amp="fp8", device="cpu")
     with pytest.raises(InputError, match="grad_scaler=True needs mixed precision"):
-        estimator.report(nn.Linear(16, 4), x, grad_scaler=True)
+        estimator.report(nn.Linear(16, 4), x, grad_scaler=True, device="cpu")
     with pytest.raises(InputError, match="grad_scaler=True .* needs mode='train'"):
-        estimator.report(nn.Linear(16, 4), x, mode="inference", amp="fp16", grad_scaler=True)
+        estimator.report(nn.Linear(16, 4), x, mode="inference", amp="fp16", grad_scaler=True, device="cpu")
     with pytest.raises(InputError, match="grad_scaler must be"):
-        estimator.report(nn.Linear(16, 4), x, amp="fp16", grad_scaler="yes")
+        estimator.report(nn.Linear(16, 4), x, amp="fp16", grad_scaler="yes", device="cpu")
 
 
 def test_amp_inference_has_no_scaler_and_defaults():
     assert step.Precision.of("fp16", None, Mode.TRAIN) == step.Precision("fp16", True)
     assert step.Precision.of("bf16", None, Mode.TRAIN) == step.Precision("bf16", False)
     assert step.Precision.of("fp16", None, Mode.INFERENCE) == step.Precision("fp16", False)
-    rep = estimator.report(nn.Linear(16, 4), torch.randn(2, 16), mode="inference", amp="fp16")
+    rep = estimator.report(nn.Linear(16, 4), torch.randn(2, 16), mode="inference", amp="fp16", device="cpu")
     assert rep.breakdown[Category.OPTIMIZER_STATE] == 0

@@ -27,7 +27,7 @@ def x8():
 ])
 def test_not_a_module(model, match):
     with pytest.raises(InputError, match=match):
-        estimator.report(model, x8())
+        estimator.report(model, x8(), device="cpu")
 
 
 @pytest.mark.parametrize("sample,match", [
@@ -40,7 +40,7 @@ def test_not_a_module(model, match):
 ])
 def test_bad_sample(sample, match):
     with pytest.raises(InputError, match=match):
-        estimator.report(lin(), sample)
+        estimator.report(lin(), sample, device="cpu")
 
 
 @pytest.mark.parametrize("sample,names", [
@@ -49,7 +49,7 @@ def test_bad_sample(sample, match):
 ])
 def test_sample_batch_disagrees(sample, names):
     with pytest.raises(InputError, match="disagree") as err:
-        estimator.report(TwoInputs(), sample)
+        estimator.report(TwoInputs(), sample, device="cpu")
     for name in names:
         assert name in str(err.value)
 
@@ -57,13 +57,13 @@ def test_sample_batch_disagrees(sample, names):
 @pytest.mark.parametrize("batch", [0, -1, 2.5, True, "8"])
 def test_bad_batch(batch):
     with pytest.raises(InputError, match=f"batch must be a positive int, got {batch!r}"):
-        estimator.report(lin(), x8(), batch=batch)
+        estimator.report(lin(), x8(), batch=batch, device="cpu")
 
 
 @pytest.mark.parametrize("mode", ["training", "eval", "", None])
 def test_bad_mode(mode):
-    with pytest.raises(InputError, match="mode must be 'train' or 'inference'"):
-        estimator.report(lin(), x8(), mode=mode)
+    with pytest.raises(InputError, match="mode must be 'train', 'inference' or 'generate'"):
+        estimator.report(lin(), x8(), mode=mode, device="cpu")
 
 
 @pytest.mark.parametrize("device", ["tpu", "mps", "cuda:0x"])
@@ -74,19 +74,19 @@ def test_bad_device(device):
 
 def test_unknown_optimizer_lists_known_names():
     with pytest.raises(InputError, match="unknown optimizer 'lion'") as err:
-        estimator.report(lin(), x8(), optimizer="lion")
+        estimator.report(lin(), x8(), optimizer="lion", device="cpu")
     for known in ("sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop"):
         assert known in str(err.value)
 
 
 def test_optimizer_of_wrong_type():
     with pytest.raises(InputError, match="optimizer must be None, a name"):
-        estimator.report(lin(), x8(), optimizer=3)
+        estimator.report(lin(), x8(), optimizer=3, device="cpu")
 
 
 def test_optimizer_factory_returning_garbage():
     with pytest.raises(InputError, match="not a torch.optim.Optimizer"):
-        estimator.report(lin(), x8(), optimizer=lambda params: "adam")
+        estimator.report(lin(), x8(), optimizer=lambda params: "adam", device="cpu")
 
 
 @pytest.mark.parametrize("loss_fn,match", [
@@ -97,12 +97,12 @@ def test_optimizer_factory_returning_garbage():
 ])
 def test_bad_loss_fn(loss_fn, match):
     with pytest.raises(InputError, match=match):
-        estimator.report(lin(), x8(), loss_fn=loss_fn)
+        estimator.report(lin(), x8(), loss_fn=loss_fn, device="cpu")
 
 
 @pytest.fixture(scope="module")
 def linear_report():
-    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
 
 
 @pytest.mark.parametrize("budget,match", [
@@ -132,12 +132,12 @@ def test_bad_at(linear_report, b):
 def test_all_parameters_frozen_in_train():
     model = lin().requires_grad_(False)
     with pytest.raises(InputError, match="no parameter requires grad"):
-        estimator.report(model, x8())
+        estimator.report(model, x8(), device="cpu")
     # optimizer=None reaches the loss check instead: same diagnosis, other words
     with pytest.raises(InputError, match=r"\(are all parameters frozen"):
-        estimator.report(model, x8(), optimizer=None)
+        estimator.report(model, x8(), optimizer=None, device="cpu")
     # inference of a frozen model is fine
-    assert estimator.report(model, x8(), mode="inference").peak_bytes == 80 * 8 + 272
+    assert estimator.report(model, x8(), mode="inference", device="cpu").peak_bytes == 80 * 8 + 272
 
 
 class NonZero(nn.Module):
@@ -165,16 +165,16 @@ class ItemIf(nn.Module):
 def test_data_dependent_models_are_captured(mode):
     """Since issue 11 these capture: the mask's size takes its upper bound (noted), the
     ``.item()`` its value on the sample (a real forward); tests/test_datadep.py checks bytes."""
-    rep = estimator.report(NonZero(), x8(), mode=mode)
+    rep = estimator.report(NonZero(), x8(), mode=mode, device="cpu")
     assert any("data-dependent size" in n for n in rep.notes)
-    assert estimator.report(ItemIf(), x8(), mode=mode).peak_bytes > 0
+    assert estimator.report(ItemIf(), x8(), mode=mode, device="cpu").peak_bytes > 0
 
 
 def test_data_dependent_value_on_meta_weights_says_why():
     with torch.device("meta"):
         model = ItemIf()
     with pytest.raises(CaptureError, match="meta device") as err:
-        estimator.report(model, x8(), mode="inference")
+        estimator.report(model, x8(), mode="inference", device="cpu")
     assert isinstance(err.value, FxmemError)
     assert "if (x.sum() > 0).item():" in str(err.value) and __file__ in str(err.value)  # the user's line
 
@@ -189,14 +189,14 @@ def test_model_that_raises_names_the_line():
             return self.l(x.view(-1, 15))  # wrong reshape
 
     with pytest.raises(FxmemError) as err:
-        estimator.report(Broken(), x8())
+        estimator.report(Broken(), x8(), device="cpu")
     assert "x.view(-1, 15)" in str(err.value)
 
 
 def test_uninitialised_lazy_modules_are_named():
     model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.LazyLinear(4))
     with pytest.raises(InputError, match="lazy modules.*model\\(sample\\)"):
-        estimator.report(model, x8())
+        estimator.report(model, x8(), device="cpu")
     with torch.no_grad():
         model(x8())  # initialised: now an ordinary model
-    assert estimator.report(model, x8()).peak_bytes > 0
+    assert estimator.report(model, x8(), device="cpu").peak_bytes > 0

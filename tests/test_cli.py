@@ -61,14 +61,14 @@ SUBPROCESS_FORMATS = ("sympy",)  # the others in-process: each subprocess costs 
 CASES = {
     "help": ("--help",),
     "report": ("report", "mlp", "--batch", "4"),
-    "report-json": ("report", "mlp", "--json", "--budget", "1MiB", "--mode", "inference", "-q"),
-    **{f"formula-{f}": ("formula", "mlp", "--format", f, "-q") for f in SUBPROCESS_FORMATS},
-    "fit-json": ("fit", "mlp", "--budget", "1MiB", "--json", "-q"),
+    "report-json": ("report", "mlp", "--json", "--budget", "1MiB", "--mode", "inference", "--device", "cpu", "-q"),
+    **{f"formula-{f}": ("formula", "mlp", "--format", f, "--device", "cpu", "-q") for f in SUBPROCESS_FORMATS},
+    "fit-json": ("fit", "mlp", "--budget", "1MiB", "--json", "--device", "cpu", "-q"),
     "bad-name": ("report", "gtp"),
     "bad-budget": ("fit", "mlp", "--budget", "lots"),
-    "gpu-without-cuda": ("report", "mlp", "--gpu", "H100"),
+    "gpu-on-cpu": ("report", "mlp", "--device", "cpu", "--gpu", "H100"),
     "file-factory": ("report", "{dir}/factory.py:make", "--json", "-q"),
-    "module-factory": ("report", "fxmem_cli_factory:make_with_loss", "--batch", "16", "-q"),
+    "module-factory": ("report", "fxmem_cli_factory:make_with_loss", "--batch", "16", "--device", "cpu", "-q"),
     "junk-factory": ("report", "{dir}/factory.py:junk"),
     "integration-bad-name": ("report", "torchvision:resnt18"),
 }
@@ -131,7 +131,8 @@ def failed(runs, name: str, code: int) -> str:
 @pytest.fixture(scope="module")
 def mlp_report():
     model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
-    return estimator.report(model, make_sample(8), batch=8, mode="train", optimizer="adamw", loss_fn=loss_fn)
+    return estimator.report(model, make_sample(8), batch=8, mode="train", optimizer="adamw", loss_fn=loss_fn,
+                            device="cpu")
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -139,8 +140,13 @@ def mlp_report():
 
 @uses("report")
 def test_report_prints_the_table_and_progress(runs):
-    run = ok(runs, "report")
-    assert "fxmem: MLP, train, optimizer adamw, device cpu, batch 4" in run.stdout
+    run = ok(runs, "report")  # no --device, no --gpu: the default GPU, said in the first line
+    lines = run.stdout.splitlines()
+    assert lines[0] == ("fxmem: MLP, train, optimizer adamw, b = 4, on NVIDIA H100 80GB HBM3 (default GPU: pass --gpu "
+                        "/ gpu= for yours)")
+    assert lines[1].startswith("peak: ") and " allocated, " in lines[1] and " reserved, " in lines[1]
+    assert " on the device (" in lines[1] and "% of its 79.20 GiB)" in lines[1]
+    assert "= device memory (nvidia-smi)" in run.stdout
     assert "formula (bytes, symbolic capture" in run.stdout
     assert "fxmem: capturing mlp (debug), train, b=4 ..." in run.stderr
     assert "fxmem: done in " in run.stderr
@@ -159,7 +165,7 @@ def test_report_json_with_budget(runs):
 def formula_output(runs, fmt: str) -> str:
     if fmt in SUBPROCESS_FORMATS:
         return ok(runs, f"formula-{fmt}").stdout
-    result = CliRunner().invoke(cli, ["formula", "mlp", "--format", fmt, "-q"])
+    result = CliRunner().invoke(cli, ["formula", "mlp", "--format", fmt, "--device", "cpu", "-q"])
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -184,13 +190,37 @@ def test_fit_is_the_reports_max_batch(runs, mlp_report):
     data = json.loads(ok(runs, "fit-json").stdout)
     assert data["max_batch"] == best and data["budget_bytes"] == 2**20
     assert data["peak_bytes"] == mlp_report.at(best) <= 2**20 < mlp_report.at(best + 1)
-    text = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1MiB", "-q"])
+    text = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1MiB", "--device", "cpu", "-q"])
     assert text.exit_code == 0 and text.output.startswith(f"largest batch that fits in 1MiB: {best} (peak ")
 
 
 def test_fit_when_nothing_fits():
-    result = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1KiB", "-q"])
+    result = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "1KiB", "--device", "cpu", "-q"])
     assert result.exit_code == 0 and result.output.startswith("nothing fits in 1KiB: the peak at b = 2 is already")
+    # on the GPU what must fit is the device memory: the CUDA context (512 MiB, estimated) alone exceeds 100 MiB
+    result = CliRunner().invoke(cli, ["fit", "mlp", "--budget", "100MiB", "-q"])
+    assert result.exit_code == 0 and result.output.startswith(
+        "nothing fits in 100MiB: the device memory at b = 2 is already 578.00 MiB")
+
+
+def test_fit_on_the_gpu_defaults_to_its_memory():
+    # a 24 GiB GPU: the largest b whose device memory (reserved + the CUDA context) fits 24 GiB
+    model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
+    rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn, device="cuda", gpu="24GiB")
+    best = rep.max_batch()
+    assert best == rep.max_batch(24 * 2**30) > 8 and rep.on_device(best).device <= 24 * 2**30
+    data = _cli_json(["fit", "mlp", "--gpu", "24GiB"], device=None)
+    assert data["max_batch"] == best and data["budget_bytes"] == 24 * 2**30 and data["budget_given"] is False
+    assert data["device"] == "cuda" and data["gpu"] == "24.00 GiB GPU"
+    assert data["device_bytes"] == rep.on_device(best).device and data["peak_bytes"] == rep.at(best)
+    text = CliRunner().invoke(cli, ["fit", "mlp", "--gpu", "24GiB", "-q"]).output
+    assert text.startswith(f"largest batch that fits in 24.00 GiB, the 24.00 GiB GPU's memory: {best} (device memory ")
+    default = CliRunner().invoke(cli, ["fit", "mlp", "--batch", "4", "--budget", "1GiB", "-q"]).output
+    assert default.startswith("largest batch that fits in 1GiB: ") and " allocated, " in default
+    refused = CliRunner().invoke(cli, ["fit", "mlp", "--device", "cpu", "-q"])
+    assert refused.exit_code == 2 and refused.stderr == (
+        "fxmem: error: fxmem fit --device cpu needs --budget (e.g. 64GiB); on the GPU (the default target) the budget "
+        "defaults to the GPU's memory\n")
 
 
 @uses("help")
@@ -224,7 +254,7 @@ def test_file_factory(runs, folder):
 @uses("module-factory")
 def test_module_factory_with_its_loss(runs):
     out = ok(runs, "module-factory").stdout
-    assert "fxmem: Sequential, train, optimizer adamw, device cpu, batch 16" in out
+    assert out.startswith("fxmem: Sequential, train, optimizer adamw, b = 16, on the CPU\n")
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -251,10 +281,11 @@ def test_bad_batch_is_a_usage_error():
     assert result.exit_code == 2 and "Invalid value for '--batch'" in result.output
 
 
-@uses("gpu-without-cuda")
+@uses("gpu-on-cpu")
 def test_contradictory_flags(runs):
-    err = failed(runs, "gpu-without-cuda", 2)
-    assert err == "fxmem: error: --gpu H100 needs --device cuda (it describes the CUDA target), got --device cpu\n"
+    err = failed(runs, "gpu-on-cpu", 2)
+    assert err == ("fxmem: error: --gpu H100 describes the GPU target but --device cpu asks for the CPU: drop "
+                   "--device cpu (the GPU is the default) or --gpu\n")
 
 
 @uses("junk-factory")
@@ -279,19 +310,21 @@ def test_seq_makes_fit_give_the_longest_sequence():
     import models_zoo
 
     model, make_sample, loss_fn = models_zoo.get("gpt", "debug", device="meta")
-    rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn, dynamic={"input_ids": {1: "s"}})
-    result = CliRunner().invoke(cli, ["fit", "gpt", "--seq", "input_ids:1", "--budget", "2MiB", "--json", "-q"])
+    rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn, dynamic={"input_ids": {1: "s"}},
+                           device="cpu")
+    result = CliRunner().invoke(cli, ["fit", "gpt", "--seq", "input_ids:1", "--budget", "2MiB", "--json", "--device",
+                                      "cpu", "-q"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["seq"] == 32 and data["max_seq"] == {"batch": 8, "max_seq": rep.max_seq("2MiB")}
-    text = CliRunner().invoke(cli, ["formula", "gpt", "--seq", "input_ids:1", "-q"]).stdout
+    text = CliRunner().invoke(cli, ["formula", "gpt", "--seq", "input_ids:1", "--device", "cpu", "-q"]).stdout
     assert "s" in text and text.strip() == str(rep.peak)
 
 
 @pytest.mark.parametrize("args,message", [
     (["--seq", "input_ids:x"], "expected KEY:DIM"),
     (["--seq", "ids:1"], "does not have"),
-    (["--alloc-conf", "max_split_size_mb:128"], "needs --device cuda"),
+    (["--device", "cpu", "--alloc-conf", "max_split_size_mb:128"], "describes the GPU target but --device cpu"),
     (["--device", "cuda", "--alloc-conf", "large_segment_size_mb:40"], "large_segment_size_mb"),
 ])
 def test_bad_target_and_seq_flags(args, message):
@@ -300,9 +333,9 @@ def test_bad_target_and_seq_flags(args, message):
 
 
 def test_amp_flag():
-    result = CliRunner().invoke(cli, ["report", "mlp", "--amp", "bf16", "--json", "-q"])
+    result = CliRunner().invoke(cli, ["report", "mlp", "--amp", "bf16", "--json", "--device", "cpu", "-q"])
     assert result.exit_code == 0, result.output
-    fp32 = CliRunner().invoke(cli, ["report", "mlp", "--json", "-q"])
+    fp32 = CliRunner().invoke(cli, ["report", "mlp", "--json", "--device", "cpu", "-q"])
     assert json.loads(result.stdout)["peak_bytes"] != json.loads(fp32.stdout)["peak_bytes"]
 
 
@@ -310,8 +343,9 @@ def test_strategy_flags_reach_the_report():
     # --dp 2: DDP replicas, each b = 8 plus the gradient buckets (all the zoo mlp's parameters)
     model, make_sample, loss_fn = models_zoo.get("mlp", "debug", device="meta")
     rep = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn,
-                           strategy=estimator.Strategy(data_parallel=2, checkpoint="body.*"))
-    result = CliRunner().invoke(cli, ["report", "mlp", "--dp", "2", "--checkpoint", "body.*", "--json", "-q"])
+                           strategy=estimator.Strategy(data_parallel=2, checkpoint="body.*"), device="cpu")
+    result = CliRunner().invoke(cli, ["report", "mlp", "--dp", "2", "--checkpoint", "body.*", "--json", "--device",
+                                      "cpu", "-q"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["peak_bytes"] == rep.peak_bytes and data["strategy"] == "DDP x2 + checkpoint body.*"
@@ -331,7 +365,8 @@ def test_bad_strategy_flags_name_the_setting(args, message):
 
 def test_compare_and_plan():
     specs = ["--strategy", "data_parallel=2", "--strategy", "data_parallel=2,sharding=zero1"]
-    result = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--budget", "1MiB", "--json", "-q"])
+    result = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--budget", "1MiB", "--json", "--device",
+                                      "cpu", "-q"])
     assert result.exit_code == 0, result.output
     rows = {r["label"]: r for r in json.loads(result.stdout)["rows"]}
     assert list(rows) == ["single device", "DDP x2", "ZeRO-1 x2"]
@@ -339,16 +374,17 @@ def test_compare_and_plan():
     # ZeRO-1 is DDP (buckets too) with half the optimizer state per rank
     assert rows["DDP x2"]["peak_bytes"] > rows["ZeRO-1 x2"]["peak_bytes"] > rows["single device"]["peak_bytes"]
     assert all(r["max_batch"] > 0 for r in rows.values())
-    text = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "-q"]).stdout
-    assert "ZeRO-1 x2" in text and "baseline" in text
+    text = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--device", "cpu", "-q"]).stdout
+    assert text.startswith("fxmem compare: MLP, b = 8, on the CPU\n") and "ZeRO-1 x2" in text and "baseline" in text
     bad = CliRunner().invoke(cli, ["compare", "mlp", "--strategy", "ranks=2", "-q"])
     assert bad.exit_code == 2 and "expected key=value" in bad.stderr
-    plan = CliRunner().invoke(cli, ["plan", "mlp", "-n", "2", "--budget", "1MiB", "--json", "-q"])
+    plan = CliRunner().invoke(cli, ["plan", "mlp", "-n", "2", "--budget", "1MiB", "--json", "--device", "cpu", "-q"])
     assert plan.exit_code == 0, plan.output
     ranked = json.loads(plan.stdout)["rows"]
     samples = [r["max_batch"] * (2 if r["devices"] == 2 and "pipeline" not in r["label"] else 1) for r in ranked]
     assert samples == sorted(samples, reverse=True) and ranked[0]["fits"] is not None
-    assert CliRunner().invoke(cli, ["plan", "mlp", "-q"]).exit_code == 2  # no budget on CPU
+    no_budget = CliRunner().invoke(cli, ["plan", "mlp", "--device", "cpu", "-q"])
+    assert no_budget.exit_code == 2 and "plan needs a budget per device" in no_budget.stderr  # on the GPU: its memory
 
 
 @uses("integration-bad-name")
@@ -489,8 +525,9 @@ def user_step(step_dir) -> dict:
     return runpy.run_path(str(step_dir / "user_step.py"))
 
 
-def _cli_json(args: list[str]) -> dict:
-    result = CliRunner().invoke(cli, [*args, "--json", "-q"])
+def _cli_json(args: list[str], device: str | None = "cpu") -> dict:
+    """``fxmem ARGS --json`` (``--device cpu`` unless ``device`` says otherwise: None for the default, the GPU)."""
+    result = CliRunner().invoke(cli, [*args, *(["--device", device] if device else []), "--json", "-q"])
     assert result.exit_code == 0, (result.output, result.exception)
     return json.loads(result.stdout)
 
@@ -503,20 +540,22 @@ def _mlp(batch: int = 8):
 def test_step_flag_is_the_libraries_step(step_dir, user_step, mlp_report):
     # the CLI's mlp (debug) at its default b = 8 and optimizer adamw, the step loaded from the file
     model, sample, _ = _mlp()
-    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"])
+    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"], device="cpu")
     data = _cli_json(["report", "mlp", "--step", f"{step_dir}/user_step.py:train_step"])
     assert data["peak_bytes"] == rep.peak_bytes and data["peak"] == str(rep.peak)
     assert data["optimizer"] == "adamw" and data["batch"] == 8
     assert rep.peak_bytes != mlp_report.peak_bytes  # not the built-in step (no clipping, output kept)
-    formula_ = CliRunner().invoke(cli, ["formula", "mlp", "--step", f"{step_dir}/user_step.py:train_step", "-q"])
+    formula_ = CliRunner().invoke(cli, ["formula", "mlp", "--step", f"{step_dir}/user_step.py:train_step", "--device",
+                                        "cpu", "-q"])
     assert formula_.exit_code == 0 and formula_.stdout.strip() == str(rep.peak)
 
 
 def test_step_with_a_state_factory_from_a_file(step_dir, user_step):
     # SGD with momentum: one buffer per parameter where AdamW keeps two
     model, sample, _ = _mlp()
-    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"], optimizer=user_step["make_state"])
-    adamw = estimator.report(model, sample, batch=8, step=user_step["train_step"])
+    rep = estimator.report(model, sample, batch=8, step=user_step["train_step"], optimizer=user_step["make_state"],
+                           device="cpu")
+    adamw = estimator.report(model, sample, batch=8, step=user_step["train_step"], device="cpu")
     data = _cli_json(["report", "mlp", "--step", f"{step_dir}/user_step.py:train_step",
                       "--optimizer", f"{step_dir}/user_step.py:make_state"])
     assert data["peak_bytes"] == rep.peak_bytes and data["peak"] == str(rep.peak)
@@ -526,7 +565,7 @@ def test_step_with_a_state_factory_from_a_file(step_dir, user_step):
 def test_step_beside_the_model_in_one_file(step_dir, user_step):
     """MODEL and --step in the same file: the file is imported once (the step checks make()'s class)."""
     model, sample = user_step["make"]()
-    rep = estimator.report(model, sample, step=user_step["net_step"])
+    rep = estimator.report(model, sample, step=user_step["net_step"], device="cpu")
     spec = f"{step_dir}/user_step.py"
     data = _cli_json(["report", f"{spec}:make", "--step", f"{spec}:net_step"])
     assert data["peak_bytes"] == rep.peak_bytes and data["batch"] == 4
@@ -534,7 +573,7 @@ def test_step_beside_the_model_in_one_file(step_dir, user_step):
 
 def test_keep_and_drop_output_reach_the_report(mlp_report):
     model, sample, loss_fn = _mlp()
-    dropped = estimator.report(model, sample, batch=8, loss_fn=loss_fn, keep_output=False)
+    dropped = estimator.report(model, sample, batch=8, loss_fn=loss_fn, keep_output=False, device="cpu")
     assert _cli_json(["report", "mlp", "--drop-output"])["peak_bytes"] == dropped.peak_bytes
     assert _cli_json(["report", "mlp", "--keep-output"])["peak_bytes"] == mlp_report.peak_bytes  # the default
     assert dropped.peak_bytes < mlp_report.peak_bytes

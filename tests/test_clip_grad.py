@@ -112,7 +112,7 @@ def test_clipping_and_kept_gradients_are_exact_on_cpu(case):
     fn, optimizer = CPU_CASES[case]
     sample = _sample()
     with threads(1):
-        rep = estimator.report(_mlp(), sample, step=fn, optimizer=optimizer)
+        rep = estimator.report(_mlp(), sample, step=fn, optimizer=optimizer, device="cpu")
         measured = measure_user_step(_mlp(), sample, fn, optimizer=optimizer)
         real = _real_ops(_mlp(), sample, fn, optimizer)
     assert rep.peak_bytes == measured.peak_bytes, (
@@ -130,7 +130,7 @@ def test_foreach_none_clips_with_foreach_kernels_on_cpu():
     # clip_grad.py with foreach=None: _has_foreach_support holds for real CPU gradients (plain
     # tensors on "cpu"), so one _foreach_norm over the 6 gradients, one linalg_vector_norm of their
     # stack, one _foreach_mul_; a FakeTensor alone would fail the type test and loop 6 times.
-    rep = estimator.report(_mlp(), _sample(), step=_step("norm", None), optimizer="adamw")
+    rep = estimator.report(_mlp(), _sample(), step=_step("norm", None), optimizer="adamw", device="cpu")
     names = Counter(_op_names(rep))
     assert (names["_foreach_norm"], names["linalg_vector_norm"], names["_foreach_mul_"]) == (1, 1, 1)
     # CPU _foreach_norm is foreach_tensor_norm_slow: no buffer besides its outputs.
@@ -141,7 +141,7 @@ def test_the_foreach_check_is_torchs_own_outside_a_capture():
     from torch.nn.utils import clip_grad
     from torch.utils import _foreach_utils
 
-    estimator.report(_mlp(), _sample(), step=_step("norm", None), optimizer="adamw")
+    estimator.report(_mlp(), _sample(), step=_step("norm", None), optimizer="adamw", device="cpu")
     assert clip_grad._has_foreach_support is _foreach_utils._has_foreach_support
 
 

@@ -95,7 +95,7 @@ def _mse(out, sample):
 def test_conv_models_against_measurement(make, mode):
     torch.manual_seed(0)
     model, x = make(), torch.randn(4, 3, 16, 16)
-    rep = estimator.report(model, x, mode=mode, optimizer="adamw", loss_fn=_mse)
+    rep = estimator.report(model, x, mode=mode, optimizer="adamw", loss_fn=_mse, device="cpu")
     meas = measure_cpu(model, x, mode, "adamw", _mse)
     assert rep.peak_bytes == meas.peak_bytes  # the convolutions are measured on this host: exact
 
@@ -123,7 +123,7 @@ def test_batch_norm_scratch_inference():
     # kernel's two per-channel temporaries 2*32*4 = 256 (measured on the host, every ISA):
     # 256 + 264 + 32768 + 32768 + 256 = 66312.
     x = torch.randn(4, 32, 8, 8)
-    rep = estimator.report(torch.nn.BatchNorm2d(32), x, mode="inference")
+    rep = estimator.report(torch.nn.BatchNorm2d(32), x, mode="inference", device="cpu")
     assert rep.peak_bytes == 66312
     assert measure_cpu(torch.nn.BatchNorm2d(32), x, mode="inference").peak_bytes == 66312
 
@@ -151,12 +151,12 @@ def test_wrapped_numbers_autograd_saves():
         return _HalfTanh()
 
     x = torch.randn(64, 16)
-    rep = estimator.report(make(), x, optimizer="sgd")
+    rep = estimator.report(make(), x, optimizer="sgd", device="cpu")
     assert rep.peak_bytes == measure_cpu(make(), x, optimizer="sgd").peak_bytes
     forward_end = max(i for i, op in enumerate(rep.timeline.ops) if op.phase.value == "forward")
     saved = [s for s in rep.timeline.alive_at(forward_end) if s[0](64) == 8 and s[2] >= 0]
     assert len(saved) == 10
-    no_grad = estimator.report(make(), x, mode="inference")  # nothing saved without grad
+    no_grad = estimator.report(make(), x, mode="inference", device="cpu")  # nothing saved without grad
     assert not [s for s in no_grad.timeline.storages if s[0](64) == 8 and s[2] >= 0]
 
 
@@ -173,5 +173,5 @@ def test_foreach_optimizers_on_cpu(make_optimizer):
         return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
     x = torch.randn(8, 64)
-    rep = estimator.report(make(), x, optimizer=make_optimizer)
+    rep = estimator.report(make(), x, optimizer=make_optimizer, device="cpu")
     assert rep.peak_bytes == measure_cpu(make(), x, optimizer=make_optimizer).peak_bytes

@@ -147,7 +147,7 @@ def test_context_note_on_every_cuda_report(kwargs):
 
 
 def test_no_cuda_notes_on_cpu():
-    rep = estimator.report(nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8), optimizer="sgd")
+    rep = estimator.report(nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8), optimizer="sgd", device="cpu")
     assert not [n for n in rep.notes if n.startswith(("CUDA context", "cuDNN convolution"))]
 
 

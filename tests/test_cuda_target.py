@@ -18,6 +18,7 @@ from estimator.target.cuda import Overhead
 from estimator.target.cuda_allocator import OutOfMemory
 from estimator.target.gpus import resolve_gpu
 from estimator.target.spec import DEFAULT_CONTEXT_BYTES, TargetSpec
+from estimator.units import format_bytes
 
 H100, A100 = resolve_gpu("H100"), resolve_gpu("A100 80GB")
 WS_H100 = 32 * 2**20  # CublasHandlePool.cpp: 4096 * 8 * 1024 on sm_90
@@ -130,20 +131,42 @@ def test_max_batch_under_a_memory_fraction_stops_where_the_allocator_runs_out():
 
 
 def test_cpu_budget_is_required_and_cuda_arguments_need_cuda():
-    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd")
+    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd", device="cpu")
     with pytest.raises(InputError, match="give a budget"):
         rep.max_batch()
-    with pytest.raises(InputError, match="device='cuda'"):
-        estimator.report(nn.Linear(4, 4), torch.randn(2, 4), gpu="H100")
+    with pytest.raises(InputError, match=r"gpu= describes a CUDA target but device='cpu' asks for the CPU: drop "
+                                         r"device='cpu' \(CUDA is the default\) or drop gpu="):
+        estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cpu", gpu="H100")
+    with pytest.raises(InputError, match="gpu= and alloc_conf= describe a CUDA target"):
+        estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cpu", gpu="H100", alloc_conf="")
     with pytest.raises(InputError, match="unknown GPU 'H1000'"):
         estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", gpu="H1000")
     with pytest.raises(InputError, match="large_segment_size_mb"):  # a known option not modelled
         estimator.report(nn.Linear(4, 4), torch.randn(2, 4), device="cuda", alloc_conf="large_segment_size_mb:40")
 
 
-def test_default_gpu_is_named_in_the_notes():
-    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd", device="cuda")
-    assert rep.target.gpu.arch == "sm_90"
-    assert any("no gpu= given" in note for note in rep.notes)
+def test_cuda_is_the_default_target_and_the_default_gpu_is_named():
+    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd")  # no device=, no gpu=
+    assert rep.device == "cuda" and rep.cuda is not None and rep.target.default_gpu
+    assert rep.target.gpu.name == "NVIDIA H100 80GB HBM3" and rep.target.gpu.arch == "sm_90"
+    assert any(note.startswith("no gpu= given (CLI: --gpu): the prediction is for the default GPU, the NVIDIA H100 "
+                               "80GB HBM3") for note in rep.notes)
     assert rep.to_dict()["cuda"]["max_memory_reserved"] == rep.reserved_bytes
+    assert rep.to_dict()["cuda"]["default_gpu"] is True
+    text = str(rep).splitlines()
+    assert text[0] == ("fxmem: Linear, train, optimizer sgd, b = 2, on NVIDIA H100 80GB HBM3 (default GPU: pass --gpu "
+                       "/ gpu= for yours)")
+    # the three peaks side by side, and the device memory's share of the GPU's 85,045,477,376 B (79.20 GiB)
+    share = f"{100 * rep.device_bytes / 85_045_477_376:.1f} %"
+    assert text[1] == (f"peak: {format_bytes(rep.peak_bytes)} allocated, {format_bytes(rep.reserved_bytes)} reserved, "
+                       f"{format_bytes(rep.device_bytes)} on the device ({share} of its 79.20 GiB)")
+    assert text[2].startswith("      the allocated peak is in the ")
     assert "= max_memory_reserved" in str(rep)
+    named = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd", device="cuda", gpu="H100")
+    assert named.cuda == rep.cuda and named.pieces == rep.pieces and not named.target.default_gpu
+    assert not any("no gpu= given" in note for note in named.notes)
+    assert str(named).splitlines()[0].endswith(", b = 2, on NVIDIA H100 80GB HBM3")
+    assert named.to_dict()["cuda"]["default_gpu"] is False
+    cpu = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd", device="cpu")
+    assert str(cpu).splitlines()[0] == "fxmem: Linear, train, optimizer sgd, b = 2, on the CPU"
+    assert str(cpu).splitlines()[1].startswith(f"peak: {format_bytes(cpu.peak_bytes)} ({cpu.peak_bytes:,} B) in the ")

@@ -123,7 +123,8 @@ def test_declared_outputs_and_workspace_exact_bytes_symbolic():
         outputs=lambda x, w: x.new_empty(x.shape[0], w.shape[1]),
         workspace=lambda x, w: x.shape[0] * x.shape[1] * 4,  # SymInt arithmetic: no guard
     )
-    rep = estimator.report(Calls(torch.ops.fxtest.project, weight=True), torch.randn(8, 16), mode="inference")
+    rep = estimator.report(Calls(torch.ops.fxtest.project, weight=True), torch.randn(8, 16), mode="inference",
+                           device="cpu")
     # w 16*32*4 = 2048; x 16*4 = 64b; the output (b, 32) fp32 = 128b; the workspace b*16*4 = 64b
     assert rep.peak == 256 * B + 2048
     assert rep.peak_bytes == 256 * 8 + 2048
@@ -143,7 +144,7 @@ def test_several_outputs_and_workspace_peaks():
         workspace=lambda x: [x.numel() * 8, 1000],  # two local maxima inside the kernel
         targets="cpu",
     )
-    rep = estimator.report(Calls(torch.ops.fxtest.pair), torch.randn(4, 16), mode="inference")
+    rep = estimator.report(Calls(torch.ops.fxtest.pair), torch.randn(4, 16), mode="inference", device="cpu")
     # x 64b; outputs (b, 16) fp32 64b + (b,) 4b: 132b at the op; + the workspace, 128b or 1000:
     # max(260b, 132b + 1000), the first from b = 8 on (128b >= 1000)
     op = _op(rep, "fxtest.pair.default")
@@ -158,18 +159,18 @@ def test_train_through_the_op_matches_measurement():
     estimator.register_op("fxtest::project", outputs=lambda x, w: x.new_empty(x.shape[0], w.shape[1]),
                           workspace=lambda x, w: x.numel() * x.element_size(), targets="cpu")
     model, sample = Calls(torch.ops.fxtest.project, weight=True), torch.randn(6, 16)
-    rep = estimator.report(model, sample, optimizer="adamw", loss_fn=_sum_loss)
+    rep = estimator.report(model, sample, optimizer="adamw", loss_fn=_sum_loss, device="cpu")
     measured = measure_cpu(Calls(torch.ops.fxtest.project, weight=True), sample, "train", "adamw", _sum_loss)
     assert rep.peak_bytes == measured.peak_bytes  # tolerance 0: every allocation is known
 
 
 def test_workspace_of_an_op_with_a_fake_kernel():
     model, sample = Calls(torch.ops.fxtest.faked), torch.randn(4, 16)
-    plain = estimator.report(model, sample, mode="inference")
+    plain = estimator.report(model, sample, mode="inference", device="cpu")
     # undeclared: the fake kernel alone, unchanged: x 64b + the output 64b, no note
     assert plain.peak == 128 * B and plain.notes == ()
     estimator.register_op(faked, workspace=lambda x: x.numel() * 4)  # the CustomOpDef works too
-    declared = estimator.report(model, sample, mode="inference")
+    declared = estimator.report(model, sample, mode="inference", device="cpu")
     assert declared.peak == 192 * B  # + the workspace 64b
     assert declared.notes == ("memory declared with estimator.register_op, not derived by fxmem: "
                               "fxtest::faked (workspace)",)
@@ -179,10 +180,10 @@ def test_workspace_of_an_op_with_a_fake_kernel():
 def test_backward_custom_op_needs_its_own_declaration():
     model, sample = AfterScale(torch.ops.fxtest.grad_op_fwd), torch.randn(4, 16)
     with pytest.raises(CaptureError, match="fxtest::grad_op_bwd has no fake") as err:
-        estimator.report(model, sample, optimizer="sgd", loss_fn=_sum_loss)
+        estimator.report(model, sample, optimizer="sgd", loss_fn=_sum_loss, device="cpu")
     assert not isinstance(err.value, SymbolicCaptureFailed)  # no concrete fallback tried: it cannot help
     estimator.register_op("fxtest::grad_op_bwd", outputs=lambda grad: torch.empty_like(grad))
-    rep = estimator.report(model, sample, optimizer="sgd", loss_fn=_sum_loss)
+    rep = estimator.report(model, sample, optimizer="sgd", loss_fn=_sum_loss, device="cpu")
     assert rep.peak_bytes == measure_cpu(AfterScale(torch.ops.fxtest.grad_op_fwd), sample, "train", "sgd",
                                          _sum_loss).peak_bytes
 
@@ -191,7 +192,7 @@ def test_targets_are_separate():
     estimator.register_op("fxtest::project", outputs=lambda x, w: x.new_empty(x.shape[0], w.shape[1]))
     estimator.register_op("fxtest::project", workspace=lambda x, w: 10 ** 6, targets="cuda")  # replaces cuda's
     model, sample = Calls(torch.ops.fxtest.project, weight=True), torch.randn(4, 16)
-    assert estimator.report(model, sample, mode="inference").peak == 192 * B + 2048  # CPU: no workspace
+    assert estimator.report(model, sample, mode="inference", device="cpu").peak == 192 * B + 2048  # CPU: no workspace
     with pytest.raises(CaptureError, match="fxtest::project has no fake"):  # CUDA lost its outputs
         estimator.report(model, sample, mode="inference", device="cuda", gpu="H100")
     estimator.register_op("fxtest::project", outputs=lambda x, w: x.new_empty(x.shape[0], w.shape[1]),
@@ -204,13 +205,13 @@ def test_targets_are_separate():
 def test_declaring_again_replaces_and_zoo_module_reloads():
     for workspace in (100, 200):
         estimator.register_op("fxtest::faked", workspace=lambda x, n=workspace: n)
-    rep = estimator.report(Calls(torch.ops.fxtest.faked), torch.randn(4, 16), mode="inference")
+    rep = estimator.report(Calls(torch.ops.fxtest.faked), torch.randn(4, 16), mode="inference", device="cpu")
     assert _op(rep, "fxtest.faked.default").scratch == (Poly.const(200),)
     from models_zoo import custom_op
 
     importlib.reload(custom_op)  # the ops exist already, the declarations are made again
     model, make_sample, loss_fn = custom_op.make(custom_op.SIZES["debug"])
-    assert estimator.report(model, make_sample(2), optimizer="adamw", loss_fn=loss_fn).peak_bytes > 0
+    assert estimator.report(model, make_sample(2), optimizer="adamw", loss_fn=loss_fn, device="cpu").peak_bytes > 0
 
 
 # -- the capture's error -----------------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_error_names_the_op_and_the_declaration(op, args):
     name = op._qualified_op_name
     model, sample = Calls(op, weight=args == "x, w"), torch.randn(4, 16)
     with pytest.raises(CaptureError) as err:
-        estimator.report(model, sample, mode="inference")
+        estimator.report(model, sample, mode="inference", device="cpu")
     message = str(err.value)
     assert message.startswith(f"{name} has no fake (meta) kernel, so fxmem cannot run it on fake tensors (at ")
     assert "test_custom_ops.py" in message and "in forward" in message  # the user's line
@@ -229,7 +230,7 @@ def test_error_names_the_op_and_the_declaration(op, args):
                f"workspace=lambda {args}: 0)")
     assert example in message and 'README: "Custom and extension ops"' in message
     exec(example, {"estimator": estimator, "torch": torch})  # the example is a working declaration
-    assert estimator.report(model, sample, mode="inference").peak_bytes > 0
+    assert estimator.report(model, sample, mode="inference", device="cpu").peak_bytes > 0
 
 
 # -- bad declarations --------------------------------------------------------------------------
@@ -263,5 +264,5 @@ def test_bad_declarations_are_rejected(call, match):
 def test_bad_declared_values_fail_the_capture_by_name(declaration, match):
     estimator.register_op("fxtest::faked", **declaration)
     with pytest.raises(InputError, match=match) as err:
-        estimator.report(Calls(torch.ops.fxtest.faked), torch.randn(4, 16), mode="inference")
+        estimator.report(Calls(torch.ops.fxtest.faked), torch.randn(4, 16), mode="inference", device="cpu")
     assert "fxtest::faked (estimator.register_op)" in str(err.value)

@@ -43,7 +43,7 @@ def _loss(out, sample):
 def test_boolean_mask_upper_bound_is_every_element():
     x = torch.randn(4, 16, D)
     mask = torch.zeros(4, 16, dtype=torch.bool)
-    rep = estimator.report(Gather(), (x, mask), mode="inference")
+    rep = estimator.report(Gather(), (x, mask), mode="inference", device="cpu")
     # x: 16·64·4 = 4096 B per row, the mask 16 B per row (alive: 4112·b).  x[mask] with n = 16·b
     # (the bound): the nonzero indices (16·b, 2) int64 = 256·b B alive with the output 16·b·64·4 =
     # 4096·b (8464·b); then the product 4096·b while the output lives: peak 4112·b + 2·4096·b.
@@ -54,8 +54,8 @@ def test_boolean_mask_upper_bound_is_every_element():
 
 def test_fraction_rounds_each_coefficient_up():
     x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
-    full = estimator.report(Gather(), (x, mask), mode="inference")
-    half = estimator.report(Gather(), (x, mask), mode="inference", data_dependent=0.3)
+    full = estimator.report(Gather(), (x, mask), mode="inference", device="cpu")
+    half = estimator.report(Gather(), (x, mask), mode="inference", data_dependent=0.3, device="cpu")
     # n = ceil(0.3 · 16)·b = 5·b instead of 16·b: 11·b rows less of the output and the product (2 · 256 B)
     assert sympy.expand(full.peak - half.peak) == 11 * 2 * 256 * estimator.symbolic.B
 
@@ -65,7 +65,8 @@ def test_sample_policy_matches_the_measurement():
     runs on weights one optimizer step later than the sample's probe: validators.zoo reads the
     measured step's own sizes.)"""
     torch.manual_seed(0)
-    predicted = estimator.report(Select(), _sample(8), mode="inference", loss_fn=_loss, data_dependent="sample")
+    predicted = estimator.report(Select(), _sample(8), mode="inference", loss_fn=_loss, data_dependent="sample",
+                                 device="cpu")
     torch.manual_seed(0)
     measured = measure_cpu(Select(), _sample(8), "inference", None, _loss)
     assert predicted.peak_bytes == measured.peak_bytes  # exact: the sizes are the sample's
@@ -83,14 +84,14 @@ def test_training_through_a_sample_mask_is_exact():
 
     x, mask = _sample(8), torch.rand(8, 16, generator=torch.Generator().manual_seed(1)) < 0.3
     torch.manual_seed(0)
-    predicted = estimator.report(Head(), (x, mask), loss_fn=_loss, data_dependent="sample")
+    predicted = estimator.report(Head(), (x, mask), loss_fn=_loss, data_dependent="sample", device="cpu")
     torch.manual_seed(0)
     assert predicted.peak_bytes == measure_cpu(Head(), (x, mask), "train", "adamw", _loss).peak_bytes
 
 
 def test_max_policy_is_an_upper_bound():
     torch.manual_seed(0)
-    worst = estimator.report(Select(), _sample(8), mode="inference", loss_fn=_loss)
+    worst = estimator.report(Select(), _sample(8), mode="inference", loss_fn=_loss, device="cpu")
     torch.manual_seed(0)
     assert worst.peak_bytes >= measure_cpu(Select(), _sample(8), "inference", None, _loss).peak_bytes
 
@@ -102,7 +103,7 @@ def test_one_hot_total_is_shared_by_its_nonzero_calls():
             mask = nn.functional.one_hot(chosen, 4).permute(2, 1, 0)  # (4, 2, N), 2·N ones in all
             return torch.cat([torch.where(mask[e])[1] for e in range(4)]).float().sum()
 
-    rep = estimator.report(Route(), torch.randn(8, 4), mode="inference")
+    rep = estimator.report(Route(), torch.randn(8, 4), mode="inference", device="cpu")
     used = [n for n in rep.notes if "data-dependent" in n]
     assert "used n = 2*b" in used[0] and all("used n = 0" in n for n in used[1:])
     assert "within a known total" in used[0]
@@ -110,10 +111,10 @@ def test_one_hot_total_is_shared_by_its_nonzero_calls():
 
 def test_per_site_numbers_and_unknown_sites():
     x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
-    rep = estimator.report(Gather(), (x, mask), mode="inference", data_dependent={":nonzero#0": 10})
+    rep = estimator.report(Gather(), (x, mask), mode="inference", data_dependent={":nonzero#0": 10}, device="cpu")
     assert any("used n = 10, given for this site" in n for n in rep.notes)
     with pytest.raises(InputError, match="no data-dependent call.*':nonzero#9'|nonzero#9"):
-        estimator.report(Gather(), (x, mask), mode="inference", data_dependent={":nonzero#9": 10})
+        estimator.report(Gather(), (x, mask), mode="inference", data_dependent={":nonzero#9": 10}, device="cpu")
 
 
 @pytest.mark.parametrize("bad", ["most", 1.5, 0.0, -3, True, {"x": -1}])
@@ -133,19 +134,19 @@ def test_item_in_forward_uses_the_real_sample():
 
     x, lengths = torch.randn(4, 16, D), torch.tensor([3, 5, 7, 6])
     torch.manual_seed(0)
-    rep = estimator.report(Crop(), (x, lengths), mode="inference")
+    rep = estimator.report(Crop(), (x, lengths), mode="inference", device="cpu")
     assert rep.peak_bytes == measure_cpu(Crop(), (x, lengths), "inference", None).peak_bytes
     with torch.device("meta"):
         meta = Crop()
     with pytest.raises(CaptureError, match="meta device"):
-        estimator.report(meta, (x, lengths), mode="inference")
+        estimator.report(meta, (x, lengths), mode="inference", device="cpu")
 
 
 def test_sample_policy_needs_real_weights():
     with torch.device("meta"):
         model = Select()
     with pytest.raises(InputError, match="meta device"):
-        estimator.report(model, _sample(4), mode="inference", loss_fn=_loss, data_dependent="sample")
+        estimator.report(model, _sample(4), mode="inference", loss_fn=_loss, data_dependent="sample", device="cpu")
 
 
 def test_ctc_loss_with_length_tensors():
@@ -162,7 +163,7 @@ def test_ctc_loss_with_length_tensors():
     x, targets = torch.randn(4, 16, D), torch.randint(1, 8, (4, 5))
     sample = (x, targets, torch.tensor([5, 3, 4, 2]))
     torch.manual_seed(0)
-    rep = estimator.report(CTC(), sample, loss_fn=lambda out, s: out, data_dependent="sample")
+    rep = estimator.report(CTC(), sample, loss_fn=lambda out, s: out, data_dependent="sample", device="cpu")
     torch.manual_seed(0)
     measured = measure_cpu(CTC(), sample, "train", "adamw", lambda out, s: out).peak_bytes
     # log_alpha (4, 16, 2·5 + 1) fp32 and the backward's log_beta are priced; 32 B of small length
@@ -188,7 +189,7 @@ class MaskedSelect(nn.Module):
 def test_masked_select_and_bool_sum_match_the_measurement(broadcast, b):
     x = torch.randn(b, D, D, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    rep = estimator.report(MaskedSelect(broadcast), x, mode="inference", data_dependent="sample")
+    rep = estimator.report(MaskedSelect(broadcast), x, mode="inference", data_dependent="sample", device="cpu")
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(MaskedSelect(broadcast), x, "inference", None).peak_bytes
 
@@ -197,7 +198,7 @@ def test_probe_leaves_the_users_hooks_alone():
     seen = []
     model = Select()
     handle = model.a.register_forward_hook(lambda m, args, out: seen.append(out))
-    estimator.report(model, _sample(4), mode="inference", loss_fn=_loss, data_dependent="sample")
+    estimator.report(model, _sample(4), mode="inference", loss_fn=_loss, data_dependent="sample", device="cpu")
     assert seen == [] and len(model.a._forward_hooks) == 1  # not run on real tensors, still registered
     handle.remove()
 
@@ -212,7 +213,7 @@ def test_concrete_fallback_with_accumulation():
     concrete captures then run at multiples of the accumulated micro-batches."""
     x = torch.randn(8, D, D, generator=torch.Generator().manual_seed(0))
     rep = estimator.report(MaskedSelect(False), x, loss_fn=lambda out, s: out,
-                           strategy=estimator.Strategy(accumulate=2))
+                           strategy=estimator.Strategy(accumulate=2), device="cpu")
     assert rep.path.value == "concrete" and "b = 8, 10, 32" in rep.notes[0]
     measured = measure_cpu(MaskedSelect(False), x, "train", "adamw", lambda out, s: out,
                            strategy=estimator.Strategy(accumulate=2))
@@ -221,7 +222,7 @@ def test_concrete_fallback_with_accumulation():
 
 def test_report_lists_the_sizes_it_used():
     x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
-    (site,) = estimator.report(Gather(), (x, mask), mode="inference").data_dependent
+    (site,) = estimator.report(Gather(), (x, mask), mode="inference", device="cpu").data_dependent
     b = estimator.symbolic.B
     assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, datadep.Source.BOUND)
 
@@ -243,5 +244,5 @@ def test_transformers_eager_experts_replay_their_item_calls():
         torch.manual_seed(0)
         return transformers.MixtralForCausalLM(config)
 
-    rep = estimator.report(model(), {"input_ids": ids}, mode="inference", data_dependent="sample")
+    rep = estimator.report(model(), {"input_ids": ids}, mode="inference", data_dependent="sample", device="cpu")
     assert rep.peak_bytes == measure_cpu(model(), {"input_ids": ids}, "inference", None).peak_bytes

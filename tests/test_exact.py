@@ -66,13 +66,13 @@ def test_mlp_inference(b):
     #   relu  -> r (b,32)         128b   h is still referenced by Sequential while relu runs
     #   h dropped; addmm -> out   32b    (r + out = 160b < 256b)
     # peak at relu: 3232 + 64b + 128b + 128b = 320b + 3232; nothing saved, nothing else alive.
-    rep = estimator.report(mlp(), linear_x(b), mode="inference")
+    rep = estimator.report(mlp(), linear_x(b), mode="inference", device="cpu")
     assert rep.peak_bytes == 320 * b + 3232
     assert rep.peak == 320 * estimator.B + 3232
     assert rep.peak_piece.op == "aten.relu.default"
     assert rep.breakdown == {
         C.PARAMETER: 3232, C.BUFFER: 0, C.INPUT: 64 * b, C.GRADIENT: 0,
-        C.OPTIMIZER_STATE: 0, C.COMMUNICATION: 0, C.ACTIVATION: 0, C.TEMPORARY: 256 * b,
+        C.OPTIMIZER_STATE: 0, C.COMMUNICATION: 0, C.ACTIVATION: 0, C.KV_CACHE: 0, C.TEMPORARY: 256 * b,
     }
     assert measure_cpu(mlp(), linear_x(b), mode="inference").peak_bytes == 320 * b + 3232
 
@@ -84,7 +84,7 @@ def test_mlp_inference(b):
 @pytest.mark.parametrize("b", [2, 8, 40])
 def test_linear_sgd(b):
     # See the module docstring: 96b + 552, the only piece for b >= 2.
-    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="sgd")
+    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="sgd", device="cpu")
     assert rep.peak_bytes == 96 * b + 552
     assert [p.bytes for p in rep.pieces] == [lin(552, 96)]
     assert rep.peak_piece.phase is Phase.BACKWARD
@@ -94,6 +94,7 @@ def test_linear_sgd(b):
         C.OPTIMIZER_STATE: 0,                # plain SGD keeps no state
         C.COMMUNICATION: 0,                  # one device
         C.ACTIVATION: 16 * b + 4,            # out + loss
+        C.KV_CACHE: 0,                       # no generate()
         C.TEMPORARY: 4 + 16 * b,             # ones_like(loss) + grad_out
     }
     assert measure_cpu(nn.Linear(16, 4), linear_x(b), optimizer="sgd").peak_bytes == 96 * b + 552
@@ -112,7 +113,7 @@ def test_mlp_sgd_momentum(b, expected):
     # Optimizer: in-place mul_/add_ only.
     # b=8: max(480*8 + 7528, 224*8 + 9704) = max(11368, 11496) = 11496
     # b=16: max(15208, 13288) = 15208
-    rep = estimator.report(mlp(), linear_x(b), optimizer="sgd-momentum")
+    rep = estimator.report(mlp(), linear_x(b), optimizer="sgd-momentum", device="cpu")
     assert sorted(p.bytes.coeffs for p in rep.pieces) == sorted([(7528, 480), (9704, 224)])
     assert rep.peak_bytes == expected
     assert rep.breakdown[C.OPTIMIZER_STATE] == 3232
@@ -130,7 +131,7 @@ def test_linear_adam(optimizer):
     #   (ones_like and grad_out are freed at the end of backward).
     # At b = 64 the backward piece dominates: 96*64 + 1104 = 7248 > 80*64 + 1612 = 6732.
     b = 64
-    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=optimizer)
+    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=optimizer, device="cpu")
     assert rep.peak_bytes == 7248
     assert rep.breakdown[C.OPTIMIZER_STATE] == 2 * 272 + 2 * 4
     assert rep.breakdown[C.GRADIENT] == 272
@@ -145,7 +146,7 @@ def test_linear_adamw_optimizer_phase_peak_exact():
     # wrapped Python float and its 4 B fp32 copy that the CPU allocator really sees = 2264.
     b = 8
     assert measure_cpu(nn.Linear(16, 4), linear_x(b), optimizer="adamw").peak_bytes == 2264
-    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="adamw")
+    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="adamw", device="cpu")
     assert rep.peak_bytes == 2264
 
 
@@ -159,7 +160,7 @@ def test_linear_adagrad_rmsprop(optimizer):
     # Backward piece: 96b + 552 + 280 = 96b + 832; the update allocates one sqrt (256 for W):
     # 80b + 548 + 280 + 256 = 80b + 1084.  At b = 64: 6976 > 6204.
     b = 64
-    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=optimizer)
+    rep = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=optimizer, device="cpu")
     assert rep.breakdown[C.OPTIMIZER_STATE] == 280
     assert rep.peak_bytes == 96 * 64 + 832
     assert measure_cpu(nn.Linear(16, 4), linear_x(b), optimizer=optimizer).peak_bytes == 96 * 64 + 832
@@ -169,9 +170,10 @@ def test_callable_optimizer_and_none():
     # A callable factory is the same step as the name; optimizer=None: no state, no update, and
     # the grads are dropped (set to None) after backward: the peak is the backward one.
     b = 8
-    by_name = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="sgd")
-    by_callable = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    none = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=None)
+    by_name = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer="sgd", device="cpu")
+    by_callable = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                   device="cpu")
+    none = estimator.report(nn.Linear(16, 4), linear_x(b), optimizer=None, device="cpu")
     assert by_callable.peak_bytes == by_name.peak_bytes == none.peak_bytes == 96 * b + 552
     assert none.breakdown[C.OPTIMIZER_STATE] == 0
     assert any("optimizer=None" in n for n in none.notes)
@@ -193,7 +195,7 @@ def test_frozen_parameters():
     # b = 16: max(10472, 10512, 9996) = 10512, in backward, with every gradient alive.
     model = mlp()
     model[0].requires_grad_(False)
-    rep = estimator.report(model, linear_x(16), optimizer="adamw")
+    rep = estimator.report(model, linear_x(16), optimizer="adamw", device="cpu")
     assert rep.peak_bytes == 10512
     assert rep.peak_piece.phase is Phase.BACKWARD
     assert rep.breakdown[C.GRADIENT] == 1056
@@ -207,7 +209,7 @@ def test_batchnorm_buffers(mode):
     # alive for the whole step whatever the mode.  Parameters: Linear 16*8*4 + 8*4 = 544,
     # BN weight + bias 2*8*4 = 64.
     model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8))
-    rep = estimator.report(model, linear_x(8), mode=mode, optimizer="sgd")
+    rep = estimator.report(model, linear_x(8), mode=mode, optimizer="sgd", device="cpu")
     assert rep.breakdown[C.BUFFER] == 72
     assert rep.breakdown_formula[C.BUFFER] == Poly.const(72)
     assert rep.breakdown[C.PARAMETER] == 544 + 64
@@ -220,7 +222,7 @@ def test_half_precision_halves_bytes(dtype):
     # (params 136, x 32b, out 8b, loss 2, ones 2, grad_out 8b, grads 128 + 8) = 48b + 276.
     b = 8
     model = nn.Linear(16, 4).to(dtype)
-    rep = estimator.report(model, linear_x(b, dtype), optimizer="sgd")
+    rep = estimator.report(model, linear_x(b, dtype), optimizer="sgd", device="cpu")
     assert rep.peak_bytes == 48 * b + 276
     assert rep.breakdown[C.PARAMETER] == 136
     assert measure_cpu(nn.Linear(16, 4).to(dtype), linear_x(b, dtype), optimizer="sgd").peak_bytes == 48 * b + 276
@@ -240,7 +242,7 @@ class TiedTwice(nn.Module):
 def test_tied_weight_counted_once_inference():
     # x 64b, h = x W^T 64b, y = h W^T 64b (h alive while y is computed): 1024 + 192b.
     b = 8
-    rep = estimator.report(TiedTwice(), linear_x(b), mode="inference")
+    rep = estimator.report(TiedTwice(), linear_x(b), mode="inference", device="cpu")
     assert rep.peak_bytes == 1024 + 192 * b
     assert rep.modules[0].params == 256 and rep.modules[0].param_bytes == 1024
 
@@ -255,7 +257,7 @@ def test_tied_weight_counted_once_train():
     # b = 8: max(4616, 5128) = 5128.  At the peak one 1024-B gradient (the sum, the future .grad),
     # the two partials are temporaries: counted once as a parameter, once as a gradient.
     b = 8
-    rep = estimator.report(TiedTwice(), linear_x(b), optimizer="sgd")
+    rep = estimator.report(TiedTwice(), linear_x(b), optimizer="sgd", device="cpu")
     assert sorted(p.bytes.coeffs for p in rep.pieces) == [(2056, 320), (4104, 128)]
     assert rep.peak_bytes == 5128
     assert rep.breakdown[C.PARAMETER] == 1024
@@ -263,7 +265,7 @@ def test_tied_weight_counted_once_train():
     assert rep.breakdown[C.TEMPORARY] == 4 + 2 * 1024
     assert measure_cpu(TiedTwice(), linear_x(b), optimizer="sgd").peak_bytes == 5128
     # AdamW keeps one state for the one Parameter: exp_avg 1024 + exp_avg_sq 1024 + step 4.
-    adamw = estimator.report(TiedTwice(), linear_x(64), optimizer="adamw")
+    adamw = estimator.report(TiedTwice(), linear_x(64), optimizer="adamw", device="cpu")
     assert adamw.breakdown[C.OPTIMIZER_STATE] == 2 * 1024 + 4
 
 
@@ -276,11 +278,11 @@ def test_same_tensor_under_two_keys_counted_once():
     # 16b all alive at the add: 272 + 64b + 48b = 112b + 272.
     b = 8
     x = linear_x(b)
-    rep = estimator.report(TwoInputs(), {"a": x, "c": x}, mode="inference")
+    rep = estimator.report(TwoInputs(), {"a": x, "c": x}, mode="inference", device="cpu")
     assert rep.breakdown[C.INPUT] == 64 * b
     assert rep.peak_bytes == 112 * b + 272
     # Two distinct tensors of the same shape are two inputs.
-    rep2 = estimator.report(TwoInputs(), {"a": x, "c": x.clone()}, mode="inference")
+    rep2 = estimator.report(TwoInputs(), {"a": x, "c": x.clone()}, mode="inference", device="cpu")
     assert rep2.breakdown[C.INPUT] == 128 * b
 
 
@@ -298,11 +300,11 @@ def test_integer_token_ids():
     # lookup 192b.  Peak = 3200 + 48b + 192b = 240b + 3200.
     b = 8
     ids = torch.randint(0, 100, (b, 6))
-    rep = estimator.report(Bag(), ids, mode="inference")
+    rep = estimator.report(Bag(), ids, mode="inference", device="cpu")
     assert rep.breakdown[C.INPUT] == 48 * b
     assert rep.peak_bytes == 240 * b + 3200
     assert measure_cpu(Bag(), ids, mode="inference").peak_bytes == 240 * b + 3200
-    train = estimator.report(Bag(), ids, optimizer="sgd")
+    train = estimator.report(Bag(), ids, optimizer="sgd", device="cpu")
     assert train.peak_bytes == measure_cpu(Bag(), ids, optimizer="sgd").peak_bytes
 
 
@@ -336,12 +338,13 @@ def test_hf_style_output_loss_is_used():
     #   -> 144b + 840 + 544 = 144b + 1384
     # b = 8: max(2120, 2536) = 2536.
     b = 8
-    rep = estimator.report(HFStyle(), linear_x(b), optimizer="sgd")
+    rep = estimator.report(HFStyle(), linear_x(b), optimizer="sgd", device="cpu")
     assert rep.peak_bytes == 144 * b + 1384
-    explicit = estimator.report(HFStyle(), linear_x(b), optimizer="sgd", loss_fn=lambda out, s: out.loss)
+    explicit = estimator.report(HFStyle(), linear_x(b), optimizer="sgd", loss_fn=lambda out, s: out.loss, device="cpu")
     assert explicit.peak == rep.peak
     # Had the mean of the first floating field (hidden) been used, layer 2 would get no gradient.
-    wrong = estimator.report(HFStyle(), linear_x(b), optimizer="sgd", loss_fn=lambda out, s: out.hidden.mean())
+    wrong = estimator.report(HFStyle(), linear_x(b), optimizer="sgd", loss_fn=lambda out, s: out.hidden.mean(),
+                             device="cpu")
     assert wrong.peak_bytes != rep.peak_bytes
     assert measure_cpu(HFStyle(), linear_x(b), optimizer="sgd").peak_bytes == 144 * b + 1384
 
@@ -360,10 +363,10 @@ def test_tuple_output_default_loss():
     # As the reference Linear case plus argmax (b,) int64 = 8b, alive to the end:
     # 96b + 552 + 8b = 104b + 552.
     b = 8
-    rep = estimator.report(TupleOut(), linear_x(b), optimizer="sgd")
+    rep = estimator.report(TupleOut(), linear_x(b), optimizer="sgd", device="cpu")
     assert rep.peak_bytes == 104 * b + 552
     assert rep.peak == estimator.report(TupleOut(), linear_x(b), optimizer="sgd",
-                                        loss_fn=lambda out, s: out[1].mean()).peak
+                                        loss_fn=lambda out, s: out[1].mean(), device="cpu").peak
     assert measure_cpu(TupleOut(), linear_x(b), optimizer="sgd").peak_bytes == 104 * b + 552
 
 
@@ -373,13 +376,13 @@ def test_tuple_output_default_loss():
 
 def _cases():
     return {
-        "linear-sgd": lambda: estimator.report(nn.Linear(16, 4), linear_x(8), optimizer="sgd"),
-        "mlp-momentum": lambda: estimator.report(mlp(), linear_x(8), optimizer="sgd-momentum"),
-        "linear-adamw": lambda: estimator.report(nn.Linear(16, 4), linear_x(8), optimizer="adamw"),
-        "mlp-inference": lambda: estimator.report(mlp(), linear_x(8), mode="inference"),
+        "linear-sgd": lambda: estimator.report(nn.Linear(16, 4), linear_x(8), optimizer="sgd", device="cpu"),
+        "mlp-momentum": lambda: estimator.report(mlp(), linear_x(8), optimizer="sgd-momentum", device="cpu"),
+        "linear-adamw": lambda: estimator.report(nn.Linear(16, 4), linear_x(8), optimizer="adamw", device="cpu"),
+        "mlp-inference": lambda: estimator.report(mlp(), linear_x(8), mode="inference", device="cpu"),
         "frozen-adamw": lambda: estimator.report(nn.Sequential(nn.Linear(16, 32).requires_grad_(False),
-                                                               nn.ReLU(), nn.Linear(32, 8)), linear_x(5)),
-        "hf": lambda: estimator.report(HFStyle(), linear_x(40), optimizer="adam"),
+                                                               nn.ReLU(), nn.Linear(32, 8)), linear_x(5), device="cpu"),
+        "hf": lambda: estimator.report(HFStyle(), linear_x(40), optimizer="adam", device="cpu"),
     }
 
 
@@ -427,7 +430,7 @@ def test_parameters_without_gradients_get_no_optimizer_state():
     # AdamW creates state only for p.grad is not None: 2 * (64 + 4) floats for `used`,
     # none for `unused` (16*64 + 64 = 1,088 floats, 8,704 B of exp_avg + exp_avg_sq saved).
     b = 4
-    rep = estimator.report(Unused(), linear_x(b), optimizer="adamw")
+    rep = estimator.report(Unused(), linear_x(b), optimizer="adamw", device="cpu")
     assert rep.breakdown[Category.OPTIMIZER_STATE] == 2 * 68 * 4 + 2 * 4  # + two 4-B step counters
     assert rep.peak_bytes == measure_cpu(Unused(), linear_x(b), optimizer="adamw").peak_bytes
 
@@ -445,11 +448,11 @@ def test_constant_pad_keeps_the_batch_symbolic():
     # The fake constant_pad_nd would fix b (Eq(b, 4)); corrections/shapes.py keeps it a symbol.
     # Inference: params 16*16*4 + 16*4 = 1088 B; input 64 B, linear output 64 B and padded
     # output 19*4 = 76 B per row: 204*b + 1088.
-    rep = estimator.report(Padded(), linear_x(4), mode="inference")
+    rep = estimator.report(Padded(), linear_x(4), mode="inference", device="cpu")
     assert rep.path is estimator.CapturePath.SYMBOLIC
     assert rep.peak.expand() == 204 * estimator.B + 1088
     for b in (4, 9):
         assert rep.at(b) == measure_cpu(Padded(), linear_x(b), mode="inference").peak_bytes
-    train = estimator.report(Padded(), linear_x(4), optimizer="sgd")
+    train = estimator.report(Padded(), linear_x(4), optimizer="sgd", device="cpu")
     assert train.path is estimator.CapturePath.SYMBOLIC
     assert train.peak_bytes == measure_cpu(Padded(), linear_x(4), optimizer="sgd").peak_bytes

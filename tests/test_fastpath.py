@@ -66,7 +66,7 @@ def _captured(model, sample, train: bool, monkeypatch) -> set[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         estimator.report(model, sample, batch=sample[0].shape[0], mode="train" if train else "inference",
-                         data_dependent="sample", loss_fn=lambda out, s: out.float().mean())
+                         data_dependent="sample", loss_fn=lambda out, s: out.float().mean(), device="cpu")
     return seen
 
 
@@ -187,7 +187,7 @@ def test_fast_path_disabled_by_the_user(monkeypatch):
 
 def test_has_torch_function_is_torchs_own_outside_captures():
     original = torch.overrides.has_torch_function
-    estimator.report(Attn(), (_x(), _kpm()), batch=2, mode="inference")
+    estimator.report(Attn(), (_x(), _kpm()), batch=2, mode="inference", device="cpu")
     assert torch.overrides.has_torch_function is original is registry._HAS_TORCH_FUNCTION
 
 
@@ -213,7 +213,7 @@ def test_one_mha_fast_path_call_is_exact():
     torch.manual_seed(0)
     x, mask = torch.randn(2, 4, 8), torch.zeros(2, 4, dtype=torch.bool)
     mask[:, 3] = True
-    rep = estimator.report(OneMHA(), (x, mask), batch=2, mode="inference")
+    rep = estimator.report(OneMHA(), (x, mask), batch=2, mode="inference", device="cpu")
     assert rep.peak_bytes == 2984
     assert measure_cpu(OneMHA(), (x, mask), "inference").peak_bytes == 2984
     ops = {str(n.target) for n in rep.graph.nodes if n.op == "call_function"}
@@ -228,7 +228,7 @@ def test_layer_fast_path_matches_cpu(amp):
     sample = (_x(8), _kpm(8))
     measured = measure_cpu(Layer(), sample, "inference", amp=amp).peak_bytes
     torch.manual_seed(0)
-    assert estimator.report(Layer(), sample, batch=8, mode="inference", amp=amp).peak_bytes == measured
+    assert estimator.report(Layer(), sample, batch=8, mode="inference", amp=amp, device="cpu").peak_bytes == measured
 
 
 def test_uneven_rows_are_an_upper_bound():
@@ -241,14 +241,16 @@ def test_uneven_rows_are_an_upper_bound():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         measured = measure_cpu(Encoder(), sample, "inference").peak_bytes
-        predicted = estimator.report(Encoder(), sample, batch=3, mode="inference", data_dependent="sample").peak_bytes
+        predicted = estimator.report(Encoder(), sample, batch=3, mode="inference", data_dependent="sample",
+                                     device="cpu").peak_bytes
     assert measured <= predicted <= measured + 2 * H * (7 * 7 - 6 * 6) * 4
 
 
 def test_nested_sizes_are_data_dependent_sites():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rep = estimator.report(Encoder(), (_x(4), _kpm(4)), batch=4, mode="inference", data_dependent="sample")
+        rep = estimator.report(Encoder(), (_x(4), _kpm(4)), batch=4, mode="inference", data_dependent="sample",
+                               device="cpu")
     notes = "\n".join(rep.notes)
     # 4 rows of 5 real tokens of 8: n = 20 of 32, the longest row 5 of 8, left-aligned.
     assert "encoder:_nested_tensor_from_mask#0" in notes and "on the sample 20 of 32" in notes
@@ -262,7 +264,7 @@ def test_nested_under_cpu_autocast_fails_as_torch_does():
         warnings.simplefilter("ignore")
         measure_cpu(Encoder(), sample, "inference", amp="bf16")
     with pytest.raises(CaptureError, match="nested-tensor fast path fails under CPU autocast"):
-        estimator.report(Encoder(), sample, batch=2, mode="inference", amp="bf16")
+        estimator.report(Encoder(), sample, batch=2, mode="inference", amp="bf16", device="cpu")
 
 
 def test_nested_stand_in_refuses_other_ops():

@@ -13,7 +13,7 @@ import estimator
 def rep():
     # Linear(16, 4) + SGD, the case tests/test_exact.py derives by hand: peak 96 b + 552 B,
     # params 16*4*4 + 4*4 = 272 B.
-    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
 
 
 def test_latex(rep):

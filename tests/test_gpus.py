@@ -232,7 +232,7 @@ def test_family_variant_in_the_report_first_line_and_budget():
 
     rep = estimator.report(torch.nn.Linear(8, 4), torch.randn(2, 8), optimizer="sgd", device="cuda", gpu="A100")
     first = str(rep).splitlines()[0]
-    assert '(NVIDIA A100-SXM4-40GB, taken for "A100"; memory differs between variants' in first
+    assert ', on NVIDIA A100-SXM4-40GB (taken for "A100"; memory differs between variants' in first
     # the default budget is the variant's memory (less the CUDA context), as the line says
     assert rep.max_batch() == rep.max_batch(42_298_834_944)
     assert rep.target.gpu.taken_for == "A100"
@@ -243,9 +243,9 @@ def test_cli_accepts_a_family_name():
 
     from estimator.cli import cli
 
-    result = CliRunner().invoke(cli, ["report", "mlp", "--device", "cuda", "--gpu", "V100", "-q"])
+    result = CliRunner().invoke(cli, ["report", "mlp", "--gpu", "V100", "-q"])  # the GPU target is the default
     assert result.exit_code == 0, result.output
-    assert 'device cuda (Tesla V100-SXM2-16GB, taken for "V100"; memory differs' in result.stdout.splitlines()[0]
+    assert ', on Tesla V100-SXM2-16GB (taken for "V100"; memory differs' in result.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("bad", ["banana", "80 parsecs", True, 3.5, -5, "rtx 9999"])

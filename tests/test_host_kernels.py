@@ -105,7 +105,7 @@ def test_one_capture_serves_every_batch():
     # the formula from b = 4 holds at b = 32: no 'b < 16' guard from the meta convolution's
     # backend choice, and every event of the kernels linear in b (checked at b = 2, 3, 4).
     model = Net(nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8)), 8)
-    rep = estimator.report(model, torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss)
+    rep = estimator.report(model, torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss, device="cpu")
     assert rep.guards == () and rep.valid_to is None
     assert rep.at(32) == measure_cpu(model, torch.randn(32, 3, 8, 8), "train", "sgd", _loss).peak_bytes
 
@@ -114,7 +114,7 @@ def test_measurements_are_cached_per_host(tmp_path, monkeypatch):
     monkeypatch.setenv("FXMEM_CACHE_DIR", str(tmp_path))
     cpu.CACHE.memory.clear()
     model, x = Net(nn.Conv2d(3, 8, 3), 8), torch.randn(2, 3, 8, 8)
-    first = estimator.report(model, x, optimizer="sgd", loss_fn=_loss)
+    first = estimator.report(model, x, optimizer="sgd", loss_fn=_loss, device="cpu")
     (path,) = tmp_path.iterdir()
     data = json.loads(path.read_text())
     assert data["host"] == cpu.host() and data["calls"]
@@ -124,7 +124,7 @@ def test_measurements_are_cached_per_host(tmp_path, monkeypatch):
         raise AssertionError(f"{len(calls)} calls were run again")
 
     monkeypatch.setattr(cpu, "_run", no_run)
-    assert estimator.report(model, x, optimizer="sgd", loss_fn=_loss).peak_bytes == first.peak_bytes
+    assert estimator.report(model, x, optimizer="sgd", loss_fn=_loss, device="cpu").peak_bytes == first.peak_bytes
 
 
 def test_cache_can_be_turned_off(monkeypatch):
@@ -151,7 +151,8 @@ _AVX2_SCRIPT = textwrap.dedent("""
     ]:
         for mode in ("train", "inference"):
             torch.manual_seed(0)
-            rep = estimator.report(make(), torch.randn(8, *shape), mode=mode, optimizer="sgd", loss_fn=loss)
+            rep = estimator.report(make(), torch.randn(8, *shape), mode=mode, optimizer="sgd", loss_fn=loss,
+                                   device="cpu")
             torch.manual_seed(0)
             meas = measure_cpu(make(), torch.randn(8, *shape), mode, "sgd", loss).peak_bytes
             rows[f"{name}-{mode}"] = (rep.peak_bytes, meas)
@@ -192,7 +193,7 @@ def test_cpu_flash_attention_exact(mode):
     # buffer: 4 * 4 * 256 * 16 * 4 = 262,144 B here) are not in the meta kernels: measured.
     torch.manual_seed(0)
     x = torch.randn(4, 256, 64)
-    rep = estimator.report(Attention(), x, mode=mode, optimizer="sgd", loss_fn=_loss)
+    rep = estimator.report(Attention(), x, mode=mode, optimizer="sgd", loss_fn=_loss, device="cpu")
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(Attention(), x, mode, "sgd", _loss).peak_bytes
 
@@ -200,7 +201,8 @@ def test_cpu_flash_attention_exact(mode):
 def test_calls_too_large_to_run_are_named(monkeypatch):
     # Over the compute limit even at b = 2: not run, and the report says what is not counted.
     monkeypatch.setattr(cpu, "MAX_CALL_FLOPS", 0)
-    rep = estimator.report(Net(nn.Conv2d(3, 8, 3), 8), torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss)
+    rep = estimator.report(Net(nn.Conv2d(3, 8, 3), 8), torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss,
+                           device="cpu")
     assert any("NOT measured" in n and "aten.convolution" in n for n in rep.notes), rep.notes
 
 
@@ -213,5 +215,6 @@ def test_calls_the_host_cannot_run_are_named(monkeypatch):
     monkeypatch.setattr(cpu, "_FAILED", {})  # this process's record of refused calls, restored after
     monkeypatch.setattr(cpu, "_run", refuse)
     monkeypatch.setattr(cpu.CACHE, "table", lambda: {})
-    rep = estimator.report(Net(nn.Conv2d(3, 8, 3), 8), torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss)
+    rep = estimator.report(Net(nn.Conv2d(3, 8, 3), 8), torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss,
+                           device="cpu")
     assert any("could not run on this host (RuntimeError: not on this host)" in n for n in rep.notes), rep.notes

@@ -65,8 +65,8 @@ def test_a_cached_hub_config_builds_as_its_local_folder(hub_cache):
     assert type(model).__name__ == "LlamaForCausalLM" and sample["input_ids"].shape == (2, 16)
     assert sum(p.numel() for p in model.parameters()) == PARAMS
     local, local_sample, _ = integrations.build("transformers", str(snapshot), batch=2)
-    peak = estimator.report(model, sample, batch=2).peak_bytes
-    assert peak == estimator.report(local, local_sample, batch=2).peak_bytes
+    peak = estimator.report(model, sample, batch=2, device="cpu").peak_bytes
+    assert peak == estimator.report(local, local_sample, batch=2, device="cpu").peak_bytes
     # A revision names a ref of the cache; overrides apply as to a local folder.
     _cache_llama(hub_cache, "org/pinned", revision="v1")
     model, _, _ = integrations.build("transformers", "org/pinned@v1", batch=2, overrides={"num_hidden_layers": 1})

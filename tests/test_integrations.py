@@ -58,7 +58,7 @@ def test_estimate_matches_cpu_measurement(source, name, kwargs, mode):
     _needs(source)
     model, sample, loss_fn = integrations.build(source, name, batch=2, **kwargs)
     assert next(model.parameters()).device.type == "meta"
-    rep = estimator.report(model, sample, batch=2, mode=mode, loss_fn=loss_fn)
+    rep = estimator.report(model, sample, batch=2, mode=mode, loss_fn=loss_fn, device="cpu")
     model, sample, loss_fn = integrations.build(source, name, batch=2, device="cpu", **kwargs)
     assert next(model.parameters()).device.type == "cpu"
     measured = measure_cpu(model, sample, mode=mode, loss_fn=loss_fn).peak_bytes
@@ -106,7 +106,7 @@ def test_transformers_local_config_folder(tmp_path):
 def test_report_runs(source, name, mode, kwargs):
     _needs(source)
     model, sample, loss_fn = integrations.build(source, name, batch=2, **kwargs)
-    rep = estimator.report(model, sample, batch=2, mode=mode, loss_fn=loss_fn)
+    rep = estimator.report(model, sample, batch=2, mode=mode, loss_fn=loss_fn, device="cpu")
     param_bytes = 4 * sum(p.numel() for p in model.parameters())
     # train: parameters + gradients + AdamW's two moments at least; inference: the parameters
     assert rep.peak_bytes > (4 if mode == "train" else 1) * param_bytes

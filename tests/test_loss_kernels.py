@@ -261,7 +261,7 @@ def test_step_against_measurement(name, b):
     loss_fn, kind, dtype, weights = STEPS[name]
     sample = _sample(kind, dtype)(b)
     torch.manual_seed(0)
-    rep = estimator.report(_Head(dtype, weights), sample, optimizer="sgd", loss_fn=loss_fn)
+    rep = estimator.report(_Head(dtype, weights), sample, optimizer="sgd", loss_fn=loss_fn, device="cpu")
     torch.manual_seed(0)
     measured = measure_cpu(_Head(dtype, weights), sample, "train", "sgd", loss_fn)
     assert rep.peak_bytes == measured.peak_bytes
@@ -273,6 +273,6 @@ def test_gan_step_against_measurement():
     # 2 x 128 + 8, the log_sigmoid output and the loss buffer).
     case = steps.CASES["GAN: two optimizers"]
     rep = estimator.report(case.make_model(), case.make_sample(32), step=case.step, optimizer=case.optimizer,
-                           mode=case.mode)
+                           mode=case.mode, device="cpu")
     measured = measure_user_step(case.make_model(), case.make_sample(32), case.step, case.optimizer, case.mode)
     assert rep.peak_bytes == measured.peak_bytes == 174_660

@@ -28,7 +28,7 @@ def loss_fn(out, x):
 @pytest.fixture(scope="module")
 def rep():
     # params 64*256*4 + 256*4 + 256*10*4 + 10*4 = 76,840 B; AdamW; peak in the optimizer step
-    return estimator.report(make_model(), torch.randn(B, 64), optimizer="adamw", loss_fn=loss_fn)
+    return estimator.report(make_model(), torch.randn(B, 64), optimizer="adamw", loss_fn=loss_fn, device="cpu")
 
 
 def train(model, opt, mon=None, steps=3, marks=True):
@@ -96,7 +96,7 @@ def test_hooks_mark_phases_and_end_steps(rep):
 
 def test_inference_hooks_end_the_step_after_forward():
     model = make_model().eval()
-    irep = estimator.report(model, torch.randn(B, 64), mode="inference")
+    irep = estimator.report(model, torch.randn(B, 64), mode="inference", device="cpu")
     with MemoryMonitor(irep, device="cpu").attach(model) as mon, torch.no_grad():
         for _ in range(2):
             x = torch.randn(B, 64)

@@ -27,9 +27,9 @@ def test_compare_rows_against_single_device_reports():
     model, x = Net(), torch.randn(8, 64)
     strategies = {"ddp": Strategy(data_parallel=2), "zero1": Strategy(data_parallel=2, sharding="zero1"),
                   "ckpt": Strategy(checkpoint=nn.Linear)}
-    result = estimator.compare(model, x, 8, strategies, budget="2MiB")
+    result = estimator.compare(model, x, 8, strategies, budget="2MiB", device="cpu")
     assert [r.label for r in result.rows] == ["single device", "ddp", "zero1", "ckpt"]
-    single = estimator.report(model, x, 8)
+    single = estimator.report(model, x, 8, device="cpu")
     base = result["single device"]
     assert base.peak_bytes == single.peak_bytes and base.saving == 0 and base.max_batch == single.max_batch("2MiB")
     ddp = result["ddp"]
@@ -39,7 +39,8 @@ def test_compare_rows_against_single_device_reports():
     # ring all-reduce of the gradients: 2 * (n-1)/n * 66_560 B = 66_560 B per device
     assert ddp.communication_bytes == PARAMS
     assert result["zero1"].communication_bytes == 3 * PARAMS // 2  # + the parameter broadcast
-    assert result["ckpt"].peak_bytes == estimator.report(model, x, 8, strategy=strategies["ckpt"]).peak_bytes
+    assert result["ckpt"].peak_bytes == estimator.report(model, x, 8, strategy=strategies["ckpt"],
+                                                         device="cpu").peak_bytes
     assert "recomputes" in result["ckpt"].cost
     assert "zero1" in str(result) and result.to_dict()["rows"][1]["label"] == "ddp"
     with pytest.raises(KeyError, match="no strategy 'nope'"):
@@ -56,7 +57,7 @@ def test_compare_captures_each_step_once(monkeypatch):
 
     monkeypatch.setattr(planning, "_capture_formula", counting)
     model, x = Net(), torch.randn(8, 64)
-    result = estimator.compare(model, x, 8, devices=4)
+    result = estimator.compare(model, x, 8, devices=4, device="cpu")
     # the default eight: single, bf16, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B) ->
     # three captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, checkpointing
     assert [r.label for r in result.rows] == [
@@ -78,7 +79,7 @@ def test_default_strategies_leave_out_what_cannot_apply():
 def test_plan_ranks_by_samples_per_step():
     model, x = Net(), torch.randn(8, 64)
     strategies = [Strategy(), Strategy(data_parallel=2), Strategy(data_parallel=2, sharding="zero1")]
-    result = estimator.plan(model, x, "1MiB", devices=2, strategies=strategies)
+    result = estimator.plan(model, x, "1MiB", devices=2, strategies=strategies, device="cpu")
     assert result.ranked
     per_step = [r.max_samples_per_step for r in result.rows]
     assert per_step == sorted(per_step, reverse=True)
@@ -87,16 +88,34 @@ def test_plan_ranks_by_samples_per_step():
     assert str(result).splitlines()[0].startswith("fxmem plan")
 
 
+def test_plan_and_compare_default_to_the_gpu():
+    # no device=, no gpu=: an H100 (85,045,477,376 B), whose memory is plan's budget
+    model, x = Net(), torch.randn(8, 64)
+    result = estimator.plan(model, x, strategies=[Strategy()])
+    (row,) = result.rows
+    assert result.budget == 85_045_477_376 and row.report.device == "cuda"
+    # the largest b whose device memory fits the GPU (max_batch: bisection over allocator replays)
+    assert row.report.on_device(row.max_batch).device <= result.budget < row.report.on_device(row.max_batch + 1).device
+    lines = str(result).splitlines()
+    assert lines[0] == ("fxmem plan: Net, b = 8, on NVIDIA H100 80GB HBM3 (default GPU: pass --gpu / gpu= for yours), "
+                        "budget 79.20 GiB per device")
+    assert lines[2].split()[:6] == ["#", "strategy", "devices", "allocated", "per", "device"]
+    assert "reserved" in lines[2] and "device memory" in lines[2]
+    compared = estimator.compare(model, x, strategies=[Strategy()], gpu="A100 80GB")
+    assert str(compared).splitlines()[0] == "fxmem compare: Net, b = 8, on NVIDIA A100-SXM4-80GB"
+    assert compared.rows[0].device_bytes == compared.rows[0].report.device_bytes > compared.rows[0].peak_bytes
+
+
 def test_plan_and_compare_bad_input():
     model, x = Net(), torch.randn(8, 64)
     with pytest.raises(InputError, match="no strategy fits"):
-        estimator.plan(model, x, "10KiB", devices=2, strategies=[Strategy(), Strategy(data_parallel=2)])
-    with pytest.raises(InputError, match="needs a budget"):
-        estimator.plan(model, x)
+        estimator.plan(model, x, "10KiB", devices=2, strategies=[Strategy(), Strategy(data_parallel=2)], device="cpu")
+    with pytest.raises(InputError, match="needs a budget per device .* with device='cpu'; on a GPU"):
+        estimator.plan(model, x, device="cpu")
     with pytest.raises(InputError, match="devices must be a positive int"):
-        estimator.compare(model, x, devices=0)
+        estimator.compare(model, x, devices=0, device="cpu")
     with pytest.raises(InputError, match="estimator.Strategy objects"):
-        estimator.compare(model, x, strategies=["ddp"])
+        estimator.compare(model, x, strategies=["ddp"], device="cpu")
 
 
 def test_master_weights_is_a_capture_of_its_own():
@@ -105,7 +124,7 @@ def test_master_weights_is_a_capture_of_its_own():
     # 2 x 33_280 (bf16); with masters: fp32 copies 66_560 + fp32 AdamW state 2 x 66_560: the
     # difference is 66_560 + 66_560 = 4 x 33_280 (the step counters are the same).
     model, x = Net().to(torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
-    result = estimator.compare(model, x, 8, {"master": Strategy(master_weights=True)})
+    result = estimator.compare(model, x, 8, {"master": Strategy(master_weights=True)}, device="cpu")
     base, master = result["single device"].report, result["master"].report
     assert master.breakdown[estimator.Category.OPTIMIZER_STATE] - base.breakdown[estimator.Category.OPTIMIZER_STATE] \
         == 4 * 33_280

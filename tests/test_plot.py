@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 @pytest.fixture(scope="module")
 def rep():
     # Linear(16, 4) + SGD at b = 8: peak 96 b + 552 B (tests/test_exact.py derives it by hand).
-    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
 
 
 class Branchy(nn.Module):
@@ -34,7 +34,7 @@ class Branchy(nn.Module):
 
 @pytest.fixture(scope="module")
 def guarded():
-    return estimator.report(Branchy(), torch.randn(8, 16), optimizer=None)
+    return estimator.report(Branchy(), torch.randn(8, 16), optimizer=None, device="cpu")
 
 
 def _line(ax, label):

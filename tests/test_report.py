@@ -18,7 +18,7 @@ from estimator import Category, format_bytes, parse_bytes
 @pytest.fixture(scope="module")
 def linear_report():
     # Linear(16, 4), SGD, b = 8: peak 96*8 + 552 = 1320 B (see test_exact).
-    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+    return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
 
 
 def test_str_has_peak_formula_and_categories(linear_report):
@@ -41,7 +41,7 @@ def test_str_shows_guards_and_notes():
         def forward(self, x):
             return self.l(x) if x.shape[0] < 16 else self.l(x) + 1
 
-    text = str(estimator.report(Branchy(), torch.randn(8, 16), optimizer=None))
+    text = str(estimator.report(Branchy(), torch.randn(8, 16), optimizer=None, device="cpu"))
     assert "b < 16" in text and "b ≤ 15" in text
     assert "optimizer=None" in text
 
@@ -61,7 +61,7 @@ def test_to_dict_is_json(linear_report):
 
 def test_to_dict_of_a_zoo_model_is_json():
     model, make_sample, loss_fn = models_zoo.get("tied_autoencoder", "debug")
-    d = estimator.report(model, make_sample(4), loss_fn=loss_fn).to_dict()
+    d = estimator.report(model, make_sample(4), loss_fn=loss_fn, device="cpu").to_dict()
     assert json.loads(json.dumps(d))["peak_bytes"] == d["peak_bytes"]
 
 
@@ -92,7 +92,7 @@ def test_report_does_not_modify_the_model():
     values = {n: p.detach().clone() for n, p in params.items()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     flags = {n: m.training for n, m in model.named_modules()}
-    estimator.report(model, make_sample(4), mode="train", optimizer="adamw", loss_fn=loss_fn)
+    estimator.report(model, make_sample(4), mode="train", optimizer="adamw", loss_fn=loss_fn, device="cpu")
     assert dict(model.named_parameters()) == params  # same objects
     for n, p in model.named_parameters():
         assert p.device.type == "cpu" and torch.equal(p, values[n]) and p.grad is None
@@ -106,7 +106,7 @@ def test_report_does_not_modify_sample_or_batchnorm_stats():
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(8, 16)
     x_before = x.clone()
-    estimator.report(model, x, mode="train")
+    estimator.report(model, x, mode="train", device="cpu")
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert torch.equal(x, x_before)
@@ -118,8 +118,8 @@ def test_meta_device_model(mode):
     real, make_sample, loss_fn = models_zoo.get("gpt", "debug")
     meta, _, _ = models_zoo.get("gpt", "debug", device="meta")
     assert all(p.device.type == "meta" for p in meta.parameters())
-    rep_real = estimator.report(real, make_sample(8), mode=mode, loss_fn=loss_fn)
-    rep_meta = estimator.report(meta, make_sample(8), mode=mode, loss_fn=loss_fn)
+    rep_real = estimator.report(real, make_sample(8), mode=mode, loss_fn=loss_fn, device="cpu")
+    rep_meta = estimator.report(meta, make_sample(8), mode=mode, loss_fn=loss_fn, device="cpu")
     assert rep_meta.peak_bytes == rep_real.peak_bytes
     assert rep_meta.peak == rep_real.peak
 

@@ -16,14 +16,15 @@ from estimator.errors import InputError
 @pytest.fixture(scope="module")
 def gpt():
     model, make_sample, loss_fn = models_zoo.get("gpt", "debug", device="meta")
-    rep = estimator.report(model, make_sample(4), batch=4, loss_fn=loss_fn, dynamic={"input_ids": {1: "s"}})
+    rep = estimator.report(model, make_sample(4), batch=4, loss_fn=loss_fn, dynamic={"input_ids": {1: "s"}},
+                           device="cpu")
     return model, make_sample, loss_fn, rep
 
 
 def _direct(gpt, b: int, s: int, **kwargs) -> estimator.Report:
     model, make_sample, loss_fn, _ = gpt
     sample = {"input_ids": make_sample(b)["input_ids"][:, :s]}
-    return estimator.report(model, sample, batch=b, loss_fn=loss_fn, **kwargs)
+    return estimator.report(model, sample, batch=b, loss_fn=loss_fn, **kwargs, device="cpu")
 
 
 def test_the_formula_in_b_and_s_matches_captures_at_other_lengths(gpt):
@@ -93,10 +94,11 @@ class FixedLength(nn.Module):
 
 
 def test_a_model_that_fixes_the_length_falls_back_to_b_only_with_a_note():
-    rep = estimator.report(FixedLength(), torch.randn(2, 16, 8), dynamic={1: "s"}, optimizer="sgd")
+    rep = estimator.report(FixedLength(), torch.randn(2, 16, 8), dynamic={1: "s"}, optimizer="sgd", device="cpu")
     assert rep.seq is None
     assert any("could not stay a symbol" in n for n in rep.notes)
-    assert rep.peak_bytes == estimator.report(FixedLength(), torch.randn(2, 16, 8), optimizer="sgd").peak_bytes
+    assert rep.peak_bytes == estimator.report(FixedLength(), torch.randn(2, 16, 8), optimizer="sgd",
+                                              device="cpu").peak_bytes
 
 
 @pytest.mark.parametrize("dynamic,match", [
@@ -109,14 +111,14 @@ def test_a_model_that_fixes_the_length_falls_back_to_b_only_with_a_note():
 def test_bad_dynamic_specs_name_the_problem(dynamic, match):
     model, make_sample, loss_fn = models_zoo.get("gpt", "debug", device="meta")
     with pytest.raises(InputError, match=match):
-        estimator.report(model, make_sample(2), loss_fn=loss_fn, dynamic=dynamic)
+        estimator.report(model, make_sample(2), loss_fn=loss_fn, dynamic=dynamic, device="cpu")
 
 
 def test_dims_named_s_must_agree_and_max_seq_needs_s():
     with pytest.raises(InputError, match="one size"):
         estimator.report(nn.Bilinear(4, 4, 2), (torch.randn(2, 3, 4), torch.randn(2, 5, 4)),
-                         dynamic={0: {1: "s"}, 1: {1: "s"}})
-    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd")
+                         dynamic={0: {1: "s"}, 1: {1: "s"}}, device="cpu")
+    rep = estimator.report(nn.Linear(4, 4), torch.randn(2, 4), optimizer="sgd", device="cpu")
     with pytest.raises(InputError, match="dynamic="):
         rep.max_seq("1GiB")
     with pytest.raises(InputError, match="not in s"):

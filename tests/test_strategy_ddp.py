@@ -26,7 +26,7 @@ TOLERANCE = 0.01  # per-rank |predicted - measured| / measured (DDP and ZeRO-1 a
 
 def _report(strategy: Strategy, b: int = 8, build=MLP):
     model, sample_fn, loss_fn = build()
-    return estimator.report(_InputOnly(model), sample_fn(b), batch=b, loss_fn=loss_fn, strategy=strategy)
+    return estimator.report(_InputOnly(model), sample_fn(b), batch=b, loss_fn=loss_fn, strategy=strategy, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_bucket_sizes_follow_the_gradient_ready_order():
     # 1_050_624; the rest (3 x 1_050_624 = 3_151_872) stays under 25 MiB: one more bucket.
     # (Measured: validators.distributed reports [1050624, 3151872] for this model.)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    rep = estimator.report(model, torch.randn(4, 512), optimizer="sgd")
+    rep = estimator.report(model, torch.randn(4, 512), optimizer="sgd", device="cpu")
     step = RankStep.of(rep.timeline)
     assert ddp.bucket_bytes(model, step) == [1_050_624, 3_151_872]
     # bucket_cap_mb=1.5: no small first bucket (only the default has one), caps at 1_572_864:
@@ -128,10 +128,11 @@ def test_impossible_configurations_name_the_setting(kwargs, match):
 def test_zero1_needs_optimizer_state():
     with pytest.raises(InputError, match="zero1.*has none"):
         _report_sgd = estimator.report(nn.Linear(8, 8), torch.randn(4, 8), optimizer="sgd",
-                                       strategy=Strategy(data_parallel=2, sharding="zero1"))
+                                       strategy=Strategy(data_parallel=2, sharding="zero1"), device="cpu")
         del _report_sgd
 
 
 def test_distributed_strategy_is_for_training():
     with pytest.raises(InputError, match="mode='train' only"):
-        estimator.report(nn.Linear(8, 8), torch.randn(4, 8), mode="inference", strategy=Strategy(data_parallel=2))
+        estimator.report(nn.Linear(8, 8), torch.randn(4, 8), mode="inference", strategy=Strategy(data_parallel=2),
+                         device="cpu")

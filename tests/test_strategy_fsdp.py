@@ -34,7 +34,7 @@ def _small():
 def _report(sharding: str, n: int = N, **kw):
     model, sample, loss = _small()
     return estimator.report(model, sample, batch=4, loss_fn=loss,
-                            strategy=Strategy(data_parallel=n, sharding=sharding, **kw))
+                            strategy=Strategy(data_parallel=n, sharding=sharding, **kw), device="cpu")
 
 
 def _baseline(rank_report, category: Category) -> int:
@@ -92,7 +92,7 @@ def test_zero3_peaks_below_zero2():
     peaks = {}
     for sharding in ("zero2", "zero3"):
         rep = estimator.report(_InputOnly(model), sample_fn(8), batch=8, loss_fn=loss,
-                               strategy=Strategy(data_parallel=2, sharding=sharding))
+                               strategy=Strategy(data_parallel=2, sharding=sharding), device="cpu")
         peaks[sharding] = rep.peak_bytes
     assert peaks["zero3"] < peaks["zero2"]
 
@@ -132,7 +132,7 @@ def test_matches_measured_ranks(width, layers, world, sharding):
     build = functools.partial(sequential_mlp, width=width, layers=layers)
     model, sample_fn, loss = build()
     rep = estimator.report(_InputOnly(model), sample_fn(batch // world), batch=batch // world, loss_fn=loss,
-                           strategy=Strategy(data_parallel=world, sharding=sharding))
+                           strategy=Strategy(data_parallel=world, sharding=sharding), device="cpu")
     predicted = {r: rr.report.peak_bytes for rr in rep.ranks for r in rr.ranks}
     # A gloo worker thread sometimes drops a collective's buffer late (racy; see the module's
     # NOT_MODELLED): a rank off by more than MAX_TOL is measured again, up to 3 runs, and its

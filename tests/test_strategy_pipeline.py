@@ -29,7 +29,7 @@ MEDIAN_TOL, MAX_TOL = 1.0, 3.0  # per-stage |error| in %, against the measured p
 def _report(width, layers, batch, classes=None, **strategy):
     model, sample_fn, loss = sequential_mlp(width, layers, classes)
     return estimator.report(_InputOnly(model), sample_fn(batch), batch=batch, loss_fn=loss,
-                            strategy=Strategy(**strategy))
+                            strategy=Strategy(**strategy), device="cpu")
 
 
 # ----------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def gpt():
 @functools.cache
 def gpt_report(strategy: Strategy, b: int):
     model, make_sample, loss_fn = gpt()
-    return estimator.report(model, make_sample(b), loss_fn=loss_fn, strategy=strategy)
+    return estimator.report(model, make_sample(b), loss_fn=loss_fn, strategy=strategy, device="cpu")
 
 
 def gpt_measured(strategy: Strategy, b: int) -> int:
@@ -67,7 +67,7 @@ def gpt_measured(strategy: Strategy, b: int) -> int:
 
 
 def test_linear_accumulate_by_hand():
-    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=2))
+    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=2), device="cpu")
     assert rep.peak == 80 * estimator.B + 824
     assert rep.peak_piece.op == "aten.sum.dim_IntList" and rep.peak_piece.phase is estimator.Phase.BACKWARD
     # at b = 8 (m = 4): activations 8b + 4 = 68; temporaries 8b + 276 = 340
@@ -87,7 +87,7 @@ def test_linear_accumulate_by_hand():
     (4, (72, 17056, 168, 12952)),
 ])
 def test_mlp_accumulate(k, formula):
-    rep = estimator.report(mlp(), torch.randn(8, 16), strategy=Strategy(accumulate=k))
+    rep = estimator.report(mlp(), torch.randn(8, 16), strategy=Strategy(accumulate=k), device="cpu")
     a, c, d, e = formula
     assert (a * estimator.B + c) in rep.peak.args or rep.peak == a * estimator.B + c
     assert (d * estimator.B + e) in rep.peak.args
@@ -160,13 +160,13 @@ def test_bad_strategy(kwargs, match):
 
 def test_accumulate_must_divide_the_batch():
     with pytest.raises(InputError, match=r"accumulate=4.*multiple of 4, got b=6"):
-        estimator.report(linear(), torch.randn(8, 16), batch=6, strategy=Strategy(accumulate=4))
+        estimator.report(linear(), torch.randn(8, 16), batch=6, strategy=Strategy(accumulate=4), device="cpu")
     with pytest.raises(InputError, match="multiple of 3"):
-        estimator.report(linear(), torch.randn(8, 16), strategy=Strategy(accumulate=3))
+        estimator.report(linear(), torch.randn(8, 16), strategy=Strategy(accumulate=3), device="cpu")
 
 
 def test_report_at_and_max_batch_with_accumulation():
-    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=4))
+    rep = estimator.report(linear(), torch.randn(8, 16), optimizer="sgd", strategy=Strategy(accumulate=4), device="cpu")
     with pytest.raises(InputError, match="multiple of 4, got b=6"):
         rep.at(6)
     with pytest.raises(InputError, match="multiple of 4"):
@@ -179,16 +179,17 @@ def test_report_at_and_max_batch_with_accumulation():
 def test_checkpoint_unknown_module():
     model, make_sample, loss_fn = gpt()
     with pytest.raises(InputError, match=r"no module 'transformer\.h\.9'; did you mean .*'transformer\.h\.0'"):
-        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint="transformer.h.9"))
+        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint="transformer.h.9"),
+                         device="cpu")
     with pytest.raises(InputError, match="no instance of it.*Block"):
-        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint=nn.Conv2d))
+        estimator.report(model, make_sample(2), loss_fn=loss_fn, strategy=Strategy(checkpoint=nn.Conv2d), device="cpu")
 
 
 def test_strategy_needs_training():
     with pytest.raises(InputError, match="mode='train' only"):
-        estimator.report(linear(), torch.randn(8, 16), mode="inference", strategy=Strategy(accumulate=2))
+        estimator.report(linear(), torch.randn(8, 16), mode="inference", strategy=Strategy(accumulate=2), device="cpu")
     with pytest.raises(InputError, match="estimator.strategy.Strategy"):
-        estimator.report(linear(), torch.randn(8, 16), strategy={"accumulate": 2})
+        estimator.report(linear(), torch.randn(8, 16), strategy={"accumulate": 2}, device="cpu")
 
 
 @pytest.mark.parametrize("b", [9, 30])
@@ -198,7 +199,7 @@ def test_accumulate_not_dividing_per_sample_bytes(b):
     # bytes per such tensor alive at the peak (the micro-batch input (m, 16) is a view of the
     # full batch: 64b, exact).
     strategy = Strategy(accumulate=3)
-    rep = estimator.report(linear(), torch.randn(b, 16), optimizer="sgd", strategy=strategy)
+    rep = estimator.report(linear(), torch.randn(b, 16), optimizer="sgd", strategy=strategy, device="cpu")
     assert any("not a multiple of 3" in note and "16*b bytes" in note for note in rep.notes)
     measured = measure_cpu(linear(), torch.randn(b, 16), optimizer="sgd", strategy=strategy).peak_bytes
     assert 0 <= rep.peak_bytes - measured <= 2 * (2 * b // 3)
@@ -229,13 +230,13 @@ def test_fp32_master_weights_of_a_bf16_model():
     # step counter): optimizer state 441,344 + 882,800 = 1,324,144 B, exact against the run.
     strategy = Strategy(master_weights=True)
     model, make_sample, loss_fn = models_zoo.get("gpt", "debug", dtype=torch.bfloat16)
-    rep = estimator.report(model, make_sample(4), batch=4, loss_fn=loss_fn, strategy=strategy)
+    rep = estimator.report(model, make_sample(4), batch=4, loss_fn=loss_fn, strategy=strategy, device="cpu")
     assert rep.breakdown[Category.PARAMETER] == 220_672
     assert rep.breakdown[Category.OPTIMIZER_STATE] == 441_344 + 2 * 441_344 + 4 * len(list(model.parameters()))
     model, make_sample, loss_fn = models_zoo.get("gpt", "debug", dtype=torch.bfloat16)
     assert rep.peak_bytes == measure_cpu(model, make_sample(4), loss_fn=loss_fn, strategy=strategy).peak_bytes
     with pytest.raises(InputError, match="low-precision parameters, but the model's are torch.float32"):
-        estimator.report(linear(), torch.randn(4, 16), strategy=strategy)
+        estimator.report(linear(), torch.randn(4, 16), strategy=strategy, device="cpu")
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -55,7 +55,7 @@ def test_guards_are_reported():
             assert x.shape[0] <= 64, "at most 64 rows"
             return super().forward(x)
 
-    rep = estimator.report(Capped(4, 4), torch.randn(8, 4), mode="inference")
+    rep = estimator.report(Capped(4, 4), torch.randn(8, 4), mode="inference", device="cpu")
     assert (rep.valid_from, rep.valid_to) == (2, 64)
     assert rep.guards
 
@@ -110,7 +110,7 @@ class Branchy(nn.Module):
 
 def test_guard_bounds_small_branch():
     # Captured at b = 8 the model takes the `b < 16` branch: the formula holds for 2 <= b <= 15.
-    rep = estimator.report(Branchy(), torch.randn(8, 16), optimizer="sgd")
+    rep = estimator.report(Branchy(), torch.randn(8, 16), optimizer="sgd", device="cpu")
     assert (rep.valid_from, rep.valid_to) == (2, 15)
     assert any("16" in g for g in rep.guards)
     # Same step as a plain Linear(16, 4): 96b + 552 (see test_exact).
@@ -124,20 +124,20 @@ def test_guard_bounds_small_branch():
 
 
 def test_guard_bounds_large_branch():
-    rep = estimator.report(Branchy(), torch.randn(20, 16), optimizer="sgd")
+    rep = estimator.report(Branchy(), torch.randn(20, 16), optimizer="sgd", device="cpu")
     assert rep.valid_from == 16 and rep.valid_to is None
     with pytest.raises(InputError, match="16 <= b"):
         rep.at(15)
-    assert rep.at(40) == estimator.report(Branchy(), torch.randn(40, 16), optimizer="sgd").peak_bytes
+    assert rep.at(40) == estimator.report(Branchy(), torch.randn(40, 16), optimizer="sgd", device="cpu").peak_bytes
     assert rep.at(40) == measure_cpu(Branchy(), torch.randn(40, 16), optimizer="sgd").peak_bytes
 
 
 def test_batch_outside_captured_branch_is_recaptured():
     # Sample at b = 8 (small branch) but batch=30 asked: the number must be the large branch's.
-    rep = estimator.report(Branchy(), torch.randn(8, 16), batch=30, optimizer="sgd")
+    rep = estimator.report(Branchy(), torch.randn(8, 16), batch=30, optimizer="sgd", device="cpu")
     assert rep.batch == 30 and rep.valid_from == 16
     assert rep.peak_bytes == measure_cpu(Branchy(), torch.randn(30, 16), optimizer="sgd").peak_bytes
-    assert rep.peak_bytes == estimator.report(Branchy(), torch.randn(30, 16), optimizer="sgd").peak_bytes
+    assert rep.peak_bytes == estimator.report(Branchy(), torch.randn(30, 16), optimizer="sgd", device="cpu").peak_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,10 +174,10 @@ def test_specialized_batch_falls_back_to_concrete(mode):
     # int(x.shape[0]) fixes the batch size in the symbolic run: detected, and the concrete
     # fallback (same ops at every size) gives the formula.
     model_cls = Specializes
-    rep = estimator.report(model_cls(), torch.randn(8, 16), mode=mode, optimizer="sgd")
+    rep = estimator.report(model_cls(), torch.randn(8, 16), mode=mode, optimizer="sgd", device="cpu")
     assert any("fixes the batch size" in note for note in rep.notes)
     for b in (17, 40):
-        fresh = estimator.report(model_cls(), torch.randn(b, 16), mode=mode, optimizer="sgd")
+        fresh = estimator.report(model_cls(), torch.randn(b, 16), mode=mode, optimizer="sgd", device="cpu")
         assert rep.at(b) == fresh.peak_bytes
     assert rep.path is CapturePath.CONCRETE
 
@@ -187,7 +187,7 @@ def test_python_loop_over_the_batch_is_refused(mode):
     # One op per row: the op sequence depends on b, so there is no per-op formula; a clear
     # error instead of a silently wrong number.
     with pytest.raises(estimator.CaptureError, match="runs different ops at b=8 and b=9"):
-        estimator.report(PerRow(), torch.randn(8, 16), mode=mode, optimizer="sgd")
+        estimator.report(PerRow(), torch.randn(8, 16), mode=mode, optimizer="sgd", device="cpu")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -220,10 +220,11 @@ def test_plain_lstm_reports(mode):
     # A tiny LSTM (peak ~80 KB) where page rounding of oneDNN's scratch (several 4 KiB pages)
     # is a large share: exact at b = 8, within 10 % at b = 17 (measured 6.8 % train, 7.9 %
     # inference).
-    rep = estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd")
+    rep = estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd", device="cpu")
     assert rep.path is CapturePath.CONCRETE
-    assert rep.peak_bytes == estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd").peak_bytes
-    fresh = estimator.report(LSTMModel(), torch.randn(17, 5, 8), mode=mode, optimizer="sgd").peak_bytes
+    assert rep.peak_bytes == estimator.report(LSTMModel(), torch.randn(8, 5, 8), mode=mode, optimizer="sgd",
+                                              device="cpu").peak_bytes
+    fresh = estimator.report(LSTMModel(), torch.randn(17, 5, 8), mode=mode, optimizer="sgd", device="cpu").peak_bytes
     assert abs(rep.at(17) - fresh) <= 0.10 * fresh
 
 
@@ -233,7 +234,7 @@ def test_plain_lstm_reports(mode):
 
 def test_batch_one_linear():
     # Linear(16, 4), SGD: 96b + 552 holds at b = 1 too: 648.
-    rep = estimator.report(nn.Linear(16, 4), torch.randn(1, 16), optimizer="sgd")
+    rep = estimator.report(nn.Linear(16, 4), torch.randn(1, 16), optimizer="sgd", device="cpu")
     assert rep.batch_outside_range
     assert rep.peak_bytes == 96 + 552
     assert measure_cpu(nn.Linear(16, 4), torch.randn(1, 16), optimizer="sgd").peak_bytes == 648
@@ -242,7 +243,7 @@ def test_batch_one_linear():
 @pytest.mark.parametrize("name,mode", [("mlp", "inference"), ("gpt", "inference"), ("gpt", "train")])
 def test_batch_one_zoo(name, mode):
     model, make_sample, loss_fn = models_zoo.get(name, "debug")
-    rep = estimator.report(model, make_sample(1), mode=mode, optimizer="adamw", loss_fn=loss_fn)
+    rep = estimator.report(model, make_sample(1), mode=mode, optimizer="adamw", loss_fn=loss_fn, device="cpu")
     assert rep.batch == 1
     model2, make_sample2, loss_fn2 = models_zoo.get(name, "debug")
     measured = measure_cpu(model2, make_sample2(1), mode=mode, optimizer="adamw", loss_fn=loss_fn2).peak_bytes

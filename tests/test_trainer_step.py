@@ -23,39 +23,11 @@ import torch
 
 import estimator
 from estimator import InputError
-from estimator.integrations import _common
+from trainer_cases import S, VOCAB, batch_of, dataset, gpt2, needs_trainer
 
 TOLERANCE = 0.005  # 0.5 %, as tests/test_validation.py
 ZERO_DIM_SLACK = 64  # bytes: a few 0-dim tensors (wrapped Python numbers, scalars)
-B, S, VOCAB = 4, 32, 512
-
-
-def _needs_trainer() -> None:
-    try:
-        _common.import_optional("transformers", "transformers")
-    except InputError as exc:
-        pytest.skip(f"transformers is not usable here: {exc}")
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
-
-
-def gpt2(**overrides):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
-                        eos_token_id=0, **overrides)
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
-
-
-def dataset(n: int, seq: int = S) -> list[dict[str, torch.Tensor]]:
-    """Token ids with labels = a copy of them (the collator stacks each key on its own)."""
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, VOCAB, (seq,), generator=g) for _ in range(n)]
-    return [{"input_ids": ids, "labels": ids.clone()} for ids in rows]
-
-
-def batch_of(rows: list[dict[str, torch.Tensor]], b: int) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([r[key] for r in rows[:b]]) for key in rows[0]}
+B = 4
 
 
 _REPORTS: dict[tuple, estimator.Report] = {}
@@ -69,7 +41,7 @@ def predict(b: int, seq: int, optim: str | None = None, max_grad_norm: float | N
     key = (b, seq, optim, max_grad_norm)
     if key not in _REPORTS:
         _REPORTS[key] = estimator.report(gpt2(), batch_of(dataset(3 * b, seq), b), step=trainer_step(max_grad_norm),
-                                         optimizer=trainer_optimizer(optim))
+                                         optimizer=trainer_optimizer(optim), device="cpu")
     return _REPORTS[key]
 
 
@@ -80,7 +52,7 @@ CASES = [(B, S, None, 1.0), (1, 4, "adamw_torch", 0.0)]
 
 @pytest.mark.parametrize(("b", "seq", "optim", "max_grad_norm"), CASES)
 def test_trainer_step_matches_a_real_trainer(tmp_path, b, seq, optim, max_grad_norm):
-    _needs_trainer()
+    needs_trainer()
     from validators.trainer import measure_trainer
 
     rows = dataset(3 * b, seq)  # 3 batches: the measured 2nd step is not its epoch's last
@@ -112,9 +84,9 @@ def test_clipping_and_the_built_in_step():
     norm it computes is a 0-dim tensor (the gradients are scaled in place), so the clipping
     itself does not move the peak.  The Trainer step holds a few 0-dim tensors more than the
     built-in one (its loss and norm kept between steps, ``_tr_loss``, ``num_items_in_batch``)."""
-    _needs_trainer()
+    needs_trainer()
     predicted = predict(B, S)
-    dropped = estimator.report(gpt2(), batch_of(dataset(3 * B, S), B), keep_output=False)
+    dropped = estimator.report(gpt2(), batch_of(dataset(3 * B, S), B), keep_output=False, device="cpu")
     assert predicted.peak_piece.phase is estimator.Phase.BACKWARD
     assert predicted.peak_piece.op == dropped.peak_piece.op
     assert 0 < predicted.peak_bytes - dropped.peak_bytes <= ZERO_DIM_SLACK
@@ -124,7 +96,7 @@ def test_optimizer_is_trainers():
     """``trainer_optimizer()`` builds what ``Trainer.create_optimizer`` does: its class and
     keywords for the default ``optim`` and the same weight-decay split (checked against
     Trainer's own methods, for GPT-2 and for BERT's ``LayerNorm`` modules)."""
-    _needs_trainer()
+    needs_trainer()
     from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 
     from estimator.integrations.transformers import TrainerLoop, _decay_parameter_names, trainer_optimizer
@@ -147,7 +119,7 @@ def test_the_clip_is_accelerates():
     """Without ``torch.distributed`` accelerate clips with ``clip_grad_norm_``; with it (here),
     ``get_total_norm``, a ``stack`` of one norm and its 2-norm, then ``clip_grads_with_norm_``:
     the same gradients and norm."""
-    _needs_trainer()
+    needs_trainer()
     from estimator.integrations.transformers import _clip_grad_norm
 
     torch.manual_seed(0)
@@ -168,7 +140,7 @@ def test_the_clip_is_accelerates():
 
 
 def test_bad_input():
-    _needs_trainer()
+    needs_trainer()
     from transformers import TrainingArguments
 
     from estimator.integrations.transformers import trainer_optimizer, trainer_step
@@ -177,15 +149,16 @@ def test_bad_input():
         trainer_step("1.0")
     with pytest.raises(InputError, match="adamw_torch"):
         trainer_optimizer("adafactor")
-    with pytest.raises(InputError, match="gradient_accumulation_steps=4"):
-        trainer_step(args=TrainingArguments(output_dir="unused", gradient_accumulation_steps=4, use_cpu=True))
+    with pytest.raises(InputError, match="label_smoothing_factor=0.1"):
+        trainer_step(args=TrainingArguments(output_dir="unused", label_smoothing_factor=0.1, use_cpu=True))
     with pytest.raises(InputError, match="TrainingArguments"):
-        trainer_optimizer(args={"optim": "adamw_torch"})
+        trainer_optimizer(args=["adamw_torch"])
     batch = batch_of(dataset(2), 2)
     with pytest.raises(InputError, match="dict of tensors"):
-        estimator.report(gpt2(), (batch["input_ids"],), step=trainer_step(), optimizer=trainer_optimizer())
+        estimator.report(gpt2(), (batch["input_ids"],), step=trainer_step(), optimizer=trainer_optimizer(),
+                         device="cpu")
     with pytest.raises(InputError, match="mode='train'"):
-        estimator.report(gpt2(), batch, step=trainer_step(), mode="inference")
+        estimator.report(gpt2(), batch, step=trainer_step(), mode="inference", device="cpu")
     with pytest.raises(InputError, match="no loss"):
         estimator.report(gpt2(), {"input_ids": batch["input_ids"]}, step=trainer_step(),
-                         optimizer=trainer_optimizer())
+                         optimizer=trainer_optimizer(), device="cpu")

@@ -52,7 +52,7 @@ class Holder(nn.Module):
 def test_tensors_held_outside_parameters_and_module_constants(mode):
     torch.manual_seed(0)
     model, x = Holder(), torch.randn(8, 16)
-    rep = estimator.report(model, x, mode=mode)
+    rep = estimator.report(model, x, mode=mode, device="cpu")
     measured = measure_cpu(model, x, mode=mode)
     # The measurement's baseline counts the model's state (the held tensors are buffers there
     # too: step.state_tensors) but not OFFSET, which lives outside the model: 64 B more.
@@ -73,7 +73,7 @@ def test_loss_closing_over_a_real_target():
     def loss_fn(out, sample):
         return ((out - target) ** 2).mean()
 
-    rep = estimator.report(model, x, loss_fn=loss_fn)
+    rep = estimator.report(model, x, loss_fn=loss_fn, device="cpu")
     assert rep.path is estimator.CapturePath.SYMBOLIC
     # The target has the sample's batch size: an input of 16 B per row, like the sample's 64 B.
     for b in (2, 8, 32):
@@ -87,7 +87,7 @@ def test_loss_closing_over_a_real_target():
 # -- B. quiet capture ------------------------------------------------------------------------
 def test_shape_mismatch_prints_nothing(capfd):
     with pytest.raises(CaptureError, match="same reduction dim"):
-        estimator.report(nn.Linear(16, 4), torch.randn(8, 15))
+        estimator.report(nn.Linear(16, 4), torch.randn(8, 15), device="cpu")
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # torch logged ~160 lines at ERROR before
 
@@ -107,11 +107,11 @@ def test_item_and_compiled_module_leak_no_warning():
     wrapped = torch.compile(model)  # an OptimizedModule
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        estimator.report(ItemScale(), torch.randn(8, 16))
-        compiled = estimator.report(wrapped, torch.randn(8, 16))
+        estimator.report(ItemScale(), torch.randn(8, 16), device="cpu")
+        compiled = estimator.report(wrapped, torch.randn(8, 16), device="cpu")
     assert [str(w.message) for w in caught] == []
     assert any("estimated as eager; compiled steps" in n for n in compiled.notes)
-    assert compiled.peak_bytes == estimator.report(model, torch.randn(8, 16)).peak_bytes
+    assert compiled.peak_bytes == estimator.report(model, torch.randn(8, 16), device="cpu").peak_bytes
     assert compiled.model == "Linear"
 
 
@@ -127,7 +127,7 @@ class Warns(nn.Module):
 
 def test_the_users_own_warnings_still_reach_them():
     with pytest.warns(UserWarning, match="the user's own warning"):
-        estimator.report(Warns(), torch.randn(8, 16))
+        estimator.report(Warns(), torch.randn(8, 16), device="cpu")
 
 
 # -- C. batch not in dim 0 -------------------------------------------------------------------
@@ -145,7 +145,7 @@ class SeqFirst(nn.Module):
 
 
 def test_sequence_first_lstm_without_batch_dims_is_noted():
-    rep = estimator.report(SeqFirst(), torch.randn(10, 4, 8), mode="inference")
+    rep = estimator.report(SeqFirst(), torch.randn(10, 4, 8), mode="inference", device="cpu")
     assert rep.batch == 10  # dim 0: the sequence length, as the note says
     assert any("LSTM 'rnn' is sequence-first" in n and "batch_dims=1" in n for n in rep.notes)
 
@@ -154,7 +154,7 @@ def test_sequence_first_lstm_without_batch_dims_is_noted():
 def test_sequence_first_lstm_with_batch_dims_matches_measurement(b):
     torch.manual_seed(0)
     model = SeqFirst()
-    rep = estimator.report(model, torch.randn(10, 4, 8), batch=b, batch_dims=1)
+    rep = estimator.report(model, torch.randn(10, 4, 8), batch=b, batch_dims=1, device="cpu")
     assert rep.batch == b
     assert not any("sequence-first" in n for n in rep.notes)
     assert rep.peak_bytes == measure_cpu(model, torch.randn(10, b, 8)).peak_bytes
@@ -166,7 +166,7 @@ def test_batch_dims_split_by_gradient_accumulation(monkeypatch):
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # batch_first=False
     x = torch.randn(10, 4, 16)
     strategy = estimator.Strategy(accumulate=2)
-    rep = estimator.report(layer, x, batch_dims=1, strategy=strategy)
+    rep = estimator.report(layer, x, batch_dims=1, strategy=strategy, device="cpu")
     assert rep.batch == 4 and rep.path is estimator.CapturePath.SYMBOLIC
     run = step.run
     monkeypatch.setattr(step, "run", lambda *a, **k: run(*a, **k, batch_dims=(1,)))
@@ -186,21 +186,21 @@ class DictSeq(nn.Module):
 
 def test_batch_dims_addressing_and_errors():
     sample = {"src": torch.randn(10, 4, 8), "mask": torch.ones(4, 10)}
-    rep = estimator.report(DictSeq(), sample, mode="inference", batch_dims={"src": 1})
+    rep = estimator.report(DictSeq(), sample, mode="inference", batch_dims={"src": 1}, device="cpu")
     assert rep.batch == 4
     rep = estimator.report(DictSeq(), sample, mode="inference", batch_dims={"src": 1},
-                           dynamic={"src": {0: "s"}, "mask": {1: "s"}})
+                           dynamic={"src": {0: "s"}, "mask": {1: "s"}}, device="cpu")
     assert (rep.batch, rep.seq) == (4, 10)
     with pytest.raises(InputError, match=r"disagree on the batch size \(their batch_dims\)"):
-        estimator.report(DictSeq(), sample, batch_dims={"src": 1, "mask": 1})
+        estimator.report(DictSeq(), sample, batch_dims={"src": 1, "mask": 1}, device="cpu")
     with pytest.raises(InputError, match=r"batch_dims\['src'\] = 3 is not a dim"):
-        estimator.report(DictSeq(), sample, batch_dims={"src": 3})
+        estimator.report(DictSeq(), sample, batch_dims={"src": 3}, device="cpu")
     with pytest.raises(InputError, match="batch_dims names 'tgt', which the sample does not have"):
-        estimator.report(DictSeq(), sample, batch_dims={"tgt": 1})
+        estimator.report(DictSeq(), sample, batch_dims={"tgt": 1}, device="cpu")
     with pytest.raises(InputError, match="batch_dims must be an int"):
-        estimator.report(nn.Linear(8, 8), torch.randn(4, 8), batch_dims={0: 1})
+        estimator.report(nn.Linear(8, 8), torch.randn(4, 8), batch_dims={0: 1}, device="cpu")
     with pytest.raises(InputError, match="dim 1 is the batch"):
-        estimator.report(DictSeq(), sample, batch_dims={"src": 1}, dynamic={"src": {1: "s"}})
+        estimator.report(DictSeq(), sample, batch_dims={"src": 1}, dynamic={"src": {1: "s"}}, device="cpu")
 
 
 def test_cli_batch_dim(tmp_path):
@@ -246,18 +246,18 @@ class CachesOnce(nn.Module):
 
 @pytest.mark.parametrize("mode", ["train", "inference"])
 def test_memory_that_grows_every_step_is_noted(mode):
-    rep = estimator.report(Grows(), torch.randn(8, 16), mode=mode)
+    rep = estimator.report(Grows(), torch.randn(8, 16), mode=mode, device="cpu")
     # Each step adds a 16-float row to `seen` (64 B) and the (8, 16) input to `history` (512 B).
     assert any("grows with every step" in n and "576 B more after each step at b = 8" in n for n in rep.notes)
-    once = estimator.report(CachesOnce(), torch.randn(8, 16), mode=mode)
+    once = estimator.report(CachesOnce(), torch.randn(8, 16), mode=mode, device="cpu")
     assert not any("grows" in n for n in once.notes)
 
 
 def test_optimizer_in_inference_is_ignored_with_a_note_in_api_and_cli():
-    rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), mode="inference", optimizer="sgd")
+    rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), mode="inference", optimizer="sgd", device="cpu")
     assert rep.optimizer is None
     assert "optimizer='sgd' is ignored: inference has no optimizer step" in rep.notes
-    plain = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), mode="inference")  # the default optimizer
+    plain = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), mode="inference", device="cpu")  # default optimizer
     assert not any("ignored" in n for n in plain.notes) and plain.peak_bytes == rep.peak_bytes
     result = CliRunner().invoke(cli, ["report", "mlp", "--mode", "inference", "--optimizer", "sgd", "-q"])
     assert result.exit_code == 0, result.output
@@ -267,7 +267,7 @@ def test_optimizer_in_inference_is_ignored_with_a_note_in_api_and_cli():
 def test_too_few_pipeline_stages_comes_first():
     model = nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 4))
     with pytest.raises(InputError, match=r"Strategy\(pipeline=5\) needs at least 5 blocks"):
-        estimator.report(model, torch.randn(8, 16), strategy=estimator.Strategy(pipeline=5))
+        estimator.report(model, torch.randn(8, 16), strategy=estimator.Strategy(pipeline=5), device="cpu")
 
 
 @pytest.mark.parametrize("budget", ["-1GiB", "-0.5 GB", -1.0])
@@ -284,10 +284,11 @@ def test_user_hooks_run_on_the_copy():
     model[0].register_forward_hook(lambda module, args, out: store["outs"].append(out))  # a closure's dict
     model[2].register_forward_pre_hook(lambda module, args: SEEN.append(args[0].clone()))  # a global list
     try:
-        rep = estimator.report(model, torch.randn(8, 16))
+        rep = estimator.report(model, torch.randn(8, 16), device="cpu")
         assert store == {"outs": []} and SEEN == []  # nothing fake in the user's objects
         # The hooks ran in the fake run: the outputs they keep alive are counted, as measured.
-        plain = estimator.report(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 16))
+        plain = estimator.report(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 16),
+                                 device="cpu")
         assert rep.peak_bytes > plain.peak_bytes
         assert rep.peak_bytes == measure_cpu(model, torch.randn(8, 16)).peak_bytes
     finally:
@@ -298,7 +299,7 @@ def test_global_module_hooks_are_not_run():
     seen = []
     handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(out))
     try:
-        rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16))
+        rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), device="cpu")
     finally:
         handle.remove()
     assert seen == []
@@ -315,7 +316,7 @@ def test_sample_dtype_not_the_models_fails_as_for_real(model, match, mode):
     with pytest.raises(Exception):  # the real run fails
         model(x)
     with pytest.raises(InputError, match=match):
-        estimator.report(model, x, mode=mode)
+        estimator.report(model, x, mode=mode, device="cpu")
 
 
 class BatchNormCumulative(nn.Module):
@@ -331,17 +332,17 @@ class BatchNormCumulative(nn.Module):
 def test_batchnorm_momentum_none_trains():
     torch.manual_seed(0)
     model, x = BatchNormCumulative(), torch.randn(4, 3, 8, 8)
-    rep = estimator.report(model, x)
+    rep = estimator.report(model, x, device="cpu")
     assert int(model.bn.num_batches_tracked) == 0  # the fake run's counter is a copy
     assert rep.peak_bytes == measure_cpu(model, x).peak_bytes
     with torch.device("meta"):
         on_meta = BatchNormCumulative()
-    assert estimator.report(on_meta, x).peak_bytes == rep.peak_bytes  # no real run needed
+    assert estimator.report(on_meta, x, device="cpu").peak_bytes == rep.peak_bytes  # no real run needed
 
 
 @pytest.mark.parametrize("budget", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_budget(budget):
-    rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd")
+    rep = estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
     with pytest.raises(InputError, match="memory size"):
         rep.max_batch(budget)
     with pytest.raises(InputError, match="memory size"):
@@ -351,9 +352,9 @@ def test_non_finite_budget(budget):
 @pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 def test_scripted_module_is_refused():
     with pytest.raises(InputError, match="scripted or traced module.*pass the eager module"):
-        estimator.report(torch.jit.script(nn.Linear(16, 4)), torch.randn(8, 16))
+        estimator.report(torch.jit.script(nn.Linear(16, 4)), torch.randn(8, 16), device="cpu")
     with pytest.raises(InputError, match="module '0' is a torch.jit scripted or traced module \\(RecursiveScriptModule\\)"):
-        estimator.report(nn.Sequential(torch.jit.script(nn.Linear(16, 4))), torch.randn(8, 16))
+        estimator.report(nn.Sequential(torch.jit.script(nn.Linear(16, 4))), torch.randn(8, 16), device="cpu")
 
 
 def test_optimizer_factory_that_raises_is_named():
@@ -362,20 +363,21 @@ def test_optimizer_factory_that_raises_is_named():
 
     with pytest.raises(InputError, match="optimizer factory .*make_optimizer raised RuntimeError: no such learning "
                                          "rate") as err:
-        estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer=make_optimizer)
+        estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer=make_optimizer, device="cpu")
     assert "the model could not be run" not in str(err.value)
 
 
 def test_what_users_naturally_write_is_accepted():
     model, x = nn.Linear(16, 4), torch.randn(8, 16)
-    base = estimator.report(model, x, batch=8)
-    assert estimator.report(model, x, batch=np.int64(8)).peak_bytes == base.peak_bytes
-    assert estimator.report(model, x, mode="TRAIN").peak_bytes == base.peak_bytes
-    assert estimator.report(model, x, mode="Inference").mode is estimator.Mode.INFERENCE
+    base = estimator.report(model, x, batch=8, device="cpu")
+    assert estimator.report(model, x, batch=np.int64(8), device="cpu").peak_bytes == base.peak_bytes
+    assert estimator.report(model, x, mode="TRAIN", device="cpu").peak_bytes == base.peak_bytes
+    assert estimator.report(model, x, mode="Inference", device="cpu").mode is estimator.Mode.INFERENCE
     cuda = estimator.report(model, x, device="cuda:1")
     assert cuda.peak_bytes == estimator.report(model, x, device=torch.device("cuda", 0)).peak_bytes
     assert estimator.report(model, x, device="CUDA").device == "cuda"
-    assert estimator.report(model, x, amp="BF16").peak_bytes == estimator.report(model, x, amp="bf16").peak_bytes
+    upper = estimator.report(model, x, amp="BF16", device="cpu")
+    assert upper.peak_bytes == estimator.report(model, x, amp="bf16", device="cpu").peak_bytes
     assert base.at(np.int64(8)) == base.peak_bytes
     assert base.max_batch(np.int64(10**6)) == base.max_batch(10**6)
     assert base.max_batch(np.float64(1e6)) == base.max_batch(10**6)

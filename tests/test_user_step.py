@@ -31,7 +31,7 @@ TOLERANCE = 0.005
 
 def check(make, sample, fn, optimizer="adamw", mode="train", **kwargs) -> estimator.Report:
     """The prediction of ``fn`` on a fresh model against its measurement on another."""
-    rep = estimator.report(make(), sample, step=fn, optimizer=optimizer, mode=mode, **kwargs)
+    rep = estimator.report(make(), sample, step=fn, optimizer=optimizer, mode=mode, **kwargs, device="cpu")
     measured = measure_user_step(make(), sample, fn, optimizer, mode, kwargs.get("strategy"))
     error = (rep.peak_bytes - measured.peak_bytes) / measured.peak_bytes
     assert abs(error) <= TOLERANCE, f"predicted {rep.peak_bytes:,} B, measured {measured.peak_bytes:,} B ({error:+.3%})"
@@ -62,7 +62,7 @@ def test_plain_loop_matches_the_built_in_step():
     # The tutorial loop is fxmem's built-in step (output kept): the same peak, to the byte.
     x, _ = data()
     rep = check(net, x, plain)
-    built_in = estimator.report(net(), x, optimizer="adamw")
+    built_in = estimator.report(net(), x, optimizer="adamw", device="cpu")
     assert rep.peak_bytes == built_in.peak_bytes
     assert rep.at(64) == built_in.at(64)  # the same formula in b
 
@@ -78,8 +78,8 @@ def test_dropping_the_output_is_the_built_in_keep_output_false():
     # keep_output=False is the loss-only loop; the difference is the (b, 10) fp32 logits when
     # they are alive at the peak (the optimizer step here): 40 bytes per row.
     x, _ = data(16)
-    kept = estimator.report(net(), x)
-    dropped = estimator.report(net(), x, keep_output=False)
+    kept = estimator.report(net(), x, device="cpu")
+    dropped = estimator.report(net(), x, keep_output=False, device="cpu")
     user = check(net, x, mean_loss_only)
     assert dropped.peak_bytes == user.peak_bytes
     assert kept.peak_bytes - dropped.peak_bytes == 16 * 10 * 4
@@ -90,7 +90,7 @@ def test_dropping_the_output_is_the_built_in_keep_output_false():
 def test_gradients_kept_between_steps_are_state():
     # set_to_none=False: every trainable parameter's gradient is alive before the step starts.
     model = net()
-    rep = estimator.report(model, data(), step=zero_to_zero)
+    rep = estimator.report(model, data(), step=zero_to_zero, device="cpu")
     params = sum(p.numel() * 4 for p in model.parameters())
     assert rep.timeline.baseline[list(Category).index(Category.GRADIENT)](8) == params
 
@@ -99,7 +99,7 @@ def test_gradients_kept_between_steps_are_state():
 @pytest.mark.parametrize("make_state, fn", [(ema_state, ema_step), (manual_ema_state, manual_ema_step)],
                          ids=["AveragedModel", "foreach_lerp"])
 def test_ema_weights_are_state(make_state, fn):
-    rep = estimator.report(net(), data(16), step=fn, optimizer=make_state)
+    rep = estimator.report(net(), data(16), step=fn, optimizer=make_state, device="cpu")
     # The EMA copy is state before the step: parameters (4 B each) once more, besides the optimizer's.
     params = sum(p.numel() * 4 for p in net().parameters())
     state = rep.timeline.baseline[list(Category).index(Category.OPTIMIZER_STATE)](16)
@@ -107,7 +107,7 @@ def test_ema_weights_are_state(make_state, fn):
 
 
 def test_two_optimizers_phases():
-    rep = estimator.report(gan(), gan_data(8), step=gan_step, optimizer=gan_state)
+    rep = estimator.report(gan(), gan_data(8), step=gan_step, optimizer=gan_state, device="cpu")
     phases = [op.phase.value for op in rep.timeline.ops]
     # forward D, backward, step D, forward G (through D), backward, step G
     assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]] == [
@@ -120,8 +120,9 @@ def test_optimizer_step_fused_into_backward():
     # Parameters dominate (a wide net at b = 4): the fused step never holds every gradient and
     # the optimizer's temporaries of all parameters at once.
     sample = data(4, d=256)
-    rep = estimator.report(wide(), sample, step=fused_step, optimizer=fused_state)
-    unfused = estimator.report(wide(), sample, step=loss_only, optimizer=lambda m: torch.optim.Adam(m.parameters()))
+    rep = estimator.report(wide(), sample, step=fused_step, optimizer=fused_state, device="cpu")
+    unfused = estimator.report(wide(), sample, step=loss_only, optimizer=lambda m: torch.optim.Adam(m.parameters()),
+                               device="cpu")
     assert rep.peak_bytes < unfused.peak_bytes
 
 
@@ -130,12 +131,12 @@ def test_adagrad_over_model_parameters_has_state_for_frozen_layers():
     # torch.optim.Adagrad(model.parameters()) creates a state_sum for every parameter it is given
     # in __init__, frozen ones included: what users write, and what fxmem now hands a factory.
     x, y = data(8)
-    rep = estimator.report(frozen_net(), x, optimizer="adagrad")
+    rep = estimator.report(frozen_net(), x, optimizer="adagrad", device="cpu")
     assert rep.peak_bytes == measure_cpu(frozen_net(), x, optimizer="adagrad").peak_bytes
     frozen = net().body[0]
     frozen_bytes = 4 * (frozen.weight.numel() + frozen.bias.numel())
     trainable_only = estimator.report(frozen_net(), x, optimizer=lambda ps: torch.optim.Adagrad(
-        [p for p in ps if p.requires_grad]))
+        [p for p in ps if p.requires_grad]), device="cpu")
     state = list(Category).index(Category.OPTIMIZER_STATE)
     # the frozen layer's state_sum (its shape) and one fp32 step counter per parameter (2 x 4 B)
     assert rep.timeline.baseline[state](8) - trainable_only.timeline.baseline[state](8) == frozen_bytes + 2 * 4
@@ -144,14 +145,14 @@ def test_adagrad_over_model_parameters_has_state_for_frozen_layers():
 def test_checkpointing_combines_with_a_user_step():
     # The body's forward runs again in backward (its ops recorded in the backward phase).
     rep = check(net, data(64), loss_only, strategy=Strategy(checkpoint="body"))
-    plain_ = estimator.report(net(), data(64), step=loss_only)
+    plain_ = estimator.report(net(), data(64), step=loss_only, device="cpu")
     recomputed = [op.op for op in rep.timeline.ops if op.phase.value == "backward" and "addmm" in op.op]
     assert len(recomputed) == 2 + len([op for op in plain_.timeline.ops if op.phase.value == "backward"
                                         and "addmm" in op.op])
 
 
 def test_inference_step_has_no_training_state():
-    rep = estimator.report(net(), data(4), step=tta, optimizer=None, mode="inference")
+    rep = estimator.report(net(), data(4), step=tta, optimizer=None, mode="inference", device="cpu")
     assert rep.breakdown[Category.GRADIENT] == rep.breakdown[Category.OPTIMIZER_STATE] == 0
 
 
@@ -185,8 +186,9 @@ def test_data_dependent_sizes_in_a_user_step():
     g = torch.Generator().manual_seed(3)
     sample = (torch.randn(8, 12, 16, generator=g), torch.rand(8, 12, generator=g) > 0.5)
     check(masked, sample, masked_step, data_dependent="sample")
-    bound = estimator.report(masked(), sample, step=masked_step)  # "max": every token kept
-    assert bound.peak_bytes >= estimator.report(masked(), sample, step=masked_step, data_dependent="sample").peak_bytes
+    bound = estimator.report(masked(), sample, step=masked_step, device="cpu")  # "max": every token kept
+    assert bound.peak_bytes >= estimator.report(masked(), sample, step=masked_step, data_dependent="sample",
+                                                device="cpu").peak_bytes
 
 
 MODEL = net()
@@ -203,14 +205,14 @@ def global_model_step(model, sample, opt):
 
 def test_step_that_names_the_model_globally():
     before = {name: p.detach().clone() for name, p in MODEL.named_parameters()}
-    rep = estimator.report(MODEL, data(), step=global_model_step)
-    assert rep.peak_bytes == estimator.report(net(), data(), step=loss_only).peak_bytes
+    rep = estimator.report(MODEL, data(), step=global_model_step, device="cpu")
+    assert rep.peak_bytes == estimator.report(net(), data(), step=loss_only, device="cpu").peak_bytes
     assert all(torch.equal(p, before[name]) for name, p in MODEL.named_parameters())  # the user's model untouched
 
 
 def test_user_state_objects_are_not_touched():
     model = net()
-    rep = estimator.report(model, data(), step=amp_step, optimizer=amp_state)
+    rep = estimator.report(model, data(), step=amp_step, optimizer=amp_state, device="cpu")
     assert rep.peak_bytes > 0
     assert all(p.grad is None for p in model.parameters())
 
@@ -220,12 +222,12 @@ def test_user_state_objects_are_not_touched():
     ({"step": loss_only, "loss_fn": lambda o, s: o.sum()}, "loss_fn"),
     ({"step": loss_only, "amp": "bf16"}, "amp"),
     ({"step": loss_only, "keep_output": False}, "keep_output"),
-    ({"step": loss_only, "strategy": Strategy(accumulate=2)}, "cannot combine with step="),
+    ({"step": loss_only, "strategy": Strategy(data_parallel=2)}, "cannot combine with step="),
     ({"keep_output": "no"}, "keep_output must be True or False"),
 ])
 def test_bad_step_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
-        estimator.report(net(), data(), **kwargs)
+        estimator.report(net(), data(), **kwargs, device="cpu")
 
 
 def broken_step(model, sample, opt):
@@ -235,7 +237,7 @@ def broken_step(model, sample, opt):
 
 def test_a_failing_step_names_its_line():
     with pytest.raises(estimator.errors.CaptureError, match="broken_step"):
-        estimator.report(net(), data(), step=broken_step)
+        estimator.report(net(), data(), step=broken_step, device="cpu")
 
 
 def raising_factory(model):
@@ -244,7 +246,7 @@ def raising_factory(model):
 
 def test_a_failing_state_factory_is_named():
     with pytest.raises(InputError, match="raising_factory raised ValueError: no such optimizer"):
-        estimator.report(net(), data(), step=loss_only, optimizer=raising_factory)
+        estimator.report(net(), data(), step=loss_only, optimizer=raising_factory, device="cpu")
 
 
 # -- zoo models: the output dropped, and a real loop's step --------------------------------------
@@ -256,7 +258,7 @@ def test_zoo_keep_output_false_matches_cpu(name):
         return models_zoo.get(name, "debug")
 
     model, make_sample, loss_fn = make()
-    rep = estimator.report(model, make_sample(4), loss_fn=loss_fn, keep_output=False)
+    rep = estimator.report(model, make_sample(4), loss_fn=loss_fn, keep_output=False, device="cpu")
     model, make_sample, loss_fn = make()
     measured = measure_cpu(model, make_sample(4), loss_fn=loss_fn, keep_output=False)
     assert abs(rep.peak_bytes - measured.peak_bytes) <= TOLERANCE * measured.peak_bytes, (rep.peak_bytes, measured)
@@ -276,7 +278,7 @@ def logging_step(model, sample, opt):
 
 
 def test_tensors_the_step_keeps_are_named():
-    rep = estimator.report(net(), data(), step=logging_step)
+    rep = estimator.report(net(), data(), step=logging_step, device="cpu")
     assert any("your step keeps 1 tensor(s) alive between steps" in n for n in rep.notes)
     assert any("the step is yours (logging_step)" in n for n in rep.notes)
     assert HISTORY == []  # the capture appended to a copy of the user's list
@@ -299,7 +301,7 @@ def logging_loss_step(model, sample, opt):
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_logged_values_do_not_need_the_weights(device):
     logged = len(LOGGED)
-    rep = estimator.report(net().to(device), data(), step=logging_loss_step)
+    rep = estimator.report(net().to(device), data(), step=logging_loss_step, device="cpu")
     assert len(LOGGED) == logged  # the capture appended to a copy of the list
     assert any("were taken as 0.0" in n and "test_user_step.py" in n for n in rep.notes)
     assert rep.peak_bytes == check(net, data(), logging_loss_step).peak_bytes
@@ -332,10 +334,10 @@ def test_cuda_target_autocasts_the_users_cuda_regions():
 
 def test_a_step_that_grows_is_named():
     # logging_step appends a 4-byte loss to a list every step: no steady state.
-    rep = estimator.report(net(), data(), step=logging_step)
+    rep = estimator.report(net(), data(), step=logging_step, device="cpu")
     assert any("your step holds 4 B more when it returns" in n for n in rep.notes)
     assert not any("holds" in n and "more when it returns" in n
-                   for n in estimator.report(net(), data(), step=loss_only).notes)
+                   for n in estimator.report(net(), data(), step=loss_only, device="cpu").notes)
 
 
 def cuda_scaler_state(model):

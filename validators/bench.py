@@ -55,9 +55,9 @@ import estimator, models_zoo
 name, size, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model, make_sample, loss_fn = models_zoo.get(name, size, device="meta")
 t0 = time.perf_counter()
-estimator.report(model, make_sample(batch), batch=batch, loss_fn=loss_fn)
+estimator.report(model, make_sample(batch), batch=batch, loss_fn=loss_fn, device="cpu")
 t1 = time.perf_counter()
-result = estimator.compare(model, make_sample(batch), batch, loss_fn=loss_fn, devices=4)
+result = estimator.compare(model, make_sample(batch), batch, loss_fn=loss_fn, devices=4, device="cpu")
 t2 = time.perf_counter()
 print(json.dumps({"report_s": t1 - t0, "compare_s": t2 - t1, "strategies": [r.label for r in result.rows]}))
 """

@@ -43,7 +43,7 @@ class Row:
 def run_case(name: str, batch: int) -> Row:
     case = steps.CASES[name]
     rep = estimator.report(case.make_model(), case.make_sample(batch), step=case.step, optimizer=case.optimizer,
-                           mode=case.mode)
+                           mode=case.mode, device="cpu")
     measured = measure_user_step(case.make_model(), case.make_sample(batch), case.step, case.optimizer, case.mode)
     return Row(name, batch, rep.peak_bytes, measured.peak_bytes)
 
@@ -51,7 +51,7 @@ def run_case(name: str, batch: int) -> Row:
 def run_dropped_output(name: str, batch: int) -> Row:
     """The built-in step with ``keep_output=False`` on a zoo model's debug size."""
     model, make_sample, loss_fn = models_zoo.get(name, "debug")
-    rep = estimator.report(model, make_sample(batch), loss_fn=loss_fn, keep_output=False)
+    rep = estimator.report(model, make_sample(batch), loss_fn=loss_fn, keep_output=False, device="cpu")
     model, make_sample, loss_fn = models_zoo.get(name, "debug")
     measured = measure_cpu(model, make_sample(batch), loss_fn=loss_fn, keep_output=False)
     return Row(f"{name} (debug), built-in step, keep_output=False", batch, rep.peak_bytes, measured.peak_bytes)

@@ -151,7 +151,8 @@ def run_case(case: Case) -> list[Row]:
     start = time.perf_counter()
     # at the thread count of the run it is compared with (the distributed ranks run one thread each)
     with cpu.threads(RANK_THREADS if case.harness else torch.get_num_threads()):
-        rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, loss_fn=loss_fn, strategy=case.strategy)
+        rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, loss_fn=loss_fn, strategy=case.strategy,
+                               device="cpu")
     seconds = time.perf_counter() - start
     if case.harness is None:
         model, sample_fn, loss_fn = build()

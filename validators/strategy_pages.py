@@ -149,7 +149,7 @@ def pages() -> list[Page]:
 def render(page: Page, matrix: list[dict]) -> str:
     model, make_sample, loss_fn = models_zoo.get(MODEL, SIZE, device="meta")
     result = estimator.compare(model, make_sample(BATCH), BATCH, page.strategies, loss_fn=loss_fn,
-                               devices=max(s.devices for s in page.strategies.values()))
+                               devices=max(s.devices for s in page.strategies.values()), device="cpu")
     lines = [f"# {page.title}", "", page.what, "", "## Asking fxmem", "", page.usage, "",
              f"## GPT-2-small (zoo `{MODEL}` `{SIZE}`), b = {BATCH}, AdamW, CPU target", "",
              "| strategy | device | ranks | peak at b | vs one device | peak formula (bytes, b per device) |",

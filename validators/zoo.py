@@ -67,7 +67,7 @@ def compare(name: str, size: str, mode: str, batch: int, dtype: str = "fp32") ->
     model, make_sample, loss_fn = models_zoo.get(name, size, dtype=DTYPES[dtype])
     start = time.perf_counter()
     rep = estimator.report(model, make_sample(batch), batch=batch, mode=mode, optimizer=OPTIMIZER, loss_fn=loss_fn,
-                           data_dependent=sizes or None)
+                           data_dependent=sizes or None, device="cpu")
     seconds = time.perf_counter() - start
     return Row(name, size, mode, batch, rep.peak_bytes, measured.peak_bytes, rep.path.value, seconds, dtype,
                "measured step's" if sizes else "")

@@ -13,9 +13,11 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 import os
 import traceback
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import corrections, custom_ops, step
-from estimator.capture import datadep
+from estimator.capture import datadep, generation
 from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
 from estimator.corrections.mode import Substitutions
@@ -72,6 +74,20 @@ class RunMarks:
     model_returns: int | None = None
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """``mode="generate"``: where each call of the model starts (op indices: the prefill, then one
+    decode step per new token but the last), and the KV cache as the last call leaves it:
+    ``bytes_per_token`` per sequence (keys and values of every layer, at the capture's dtype)
+    and the ``tokens`` it has room for then (a dynamic cache: the tokens it holds; a static
+    one: its length), at the sample's sequence length."""
+
+    calls: tuple[int, ...] = ()
+    bytes_per_token: int = 0
+    tokens: int = 0
+    cache: str = ""  # the cache's class name (DynamicCache, StaticCache, ...)
+
+
 @dataclass
 class RawCapture:
     """The events of one captured step; bytes already polynomials in ``b``."""
@@ -91,6 +107,7 @@ class RawCapture:
     data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
     freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
     marks: RunMarks = RunMarks()  # where a run's first step makes its state
+    decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -123,8 +140,10 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         try:
             probed = _probed(model, sample, spec)
         except InputError:
-            raise CaptureError(f"{what}; the model's weights are on the meta device, so fxmem cannot run it: "
-                               "build it with real (e.g. random) weights") from None
+            why = (" (generate() asks whether a prompt is padded and whether every sequence has finished)"
+                   if spec.mode is Mode.GENERATE else "")
+            raise CaptureError(f"{what}{why}; the model's weights are on the meta device, so fxmem cannot run it: "
+                               "build it with real (e.g. random) weights (command line: --device-init cpu)") from None
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
 
 
@@ -210,11 +229,13 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     # arguments of substituted functions before the substitutes see them).
     amp_policy = cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp else contextlib.nullcontext()
 
-    rng_states = _fake_rng_state() if spec.strategy.checkpoint is not None and not spec.target.is_cuda \
-        else contextlib.nullcontext()
+    # Not only Strategy(checkpoint=): a model's own checkpointing (transformers'
+    # activation_checkpointing_enable) and user code save the RNG state the same way.
+    rng_states = _fake_rng_state() if not spec.target.is_cuda else contextlib.nullcontext()
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
     user = spec.step is not None
-    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec):
+    lengths = generation.symbolic_lengths() if spec.mode is Mode.GENERATE else contextlib.nullcontext()
+    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec), lengths:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
@@ -228,8 +249,9 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         before = _model_state(fmodel)
         phases = _phases(tracker, fmodel) if user else contextlib.nullcontext()
         dd.new_step()
+        decoding = _decoding(tracker, fmodel) if spec.mode is Mode.GENERATE else contextlib.nullcontext({})
         with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker), phases, \
-                _run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks:
+                _run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks, decoding as decoded:
             result = run_step(_on_phase(tracker, fmodel))
         tracker.flush()
         after = _model_state(fmodel)
@@ -260,10 +282,10 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
-                          freed_first=tuple(tracker.freed_first), marks=marks["marks"])
+                          freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoded.get("decoding"))
     raw = _to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
-    raw.marks = marks["marks"]
+    raw.marks, raw.decoding = marks["marks"], decoded.get("decoding")
     return raw
 
 
@@ -291,9 +313,10 @@ def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set
 
 @contextlib.contextmanager
 def _fake_rng_state():
-    """CPU target with checkpointing: ``torch.get_rng_state()`` as a fake tensor of the real
-    state's size (5,056 B for the Mersenne Twister), which the tracker sees, and
-    ``torch.set_rng_state`` of a fake state as a no-op.
+    """CPU target (every capture: ``Strategy(checkpoint=)``, a model's own checkpointing, user
+    code): ``torch.get_rng_state()`` as a fake tensor of the real state's size (5,056 B for the
+    Mersenne Twister), which the tracker sees, and ``torch.set_rng_state`` of a fake state as a
+    no-op.
 
     ``torch.utils.checkpoint`` (``preserve_rng_state=True``, the default) keeps the CPU RNG
     state of each checkpointed forward until its recomputation, and ``torch.random.fork_rng``
@@ -497,6 +520,41 @@ def _run_marks(tracker: Tracker, model: nn.Module, optimizers: list, watch_model
         for handle in handles:
             handle.remove()
     found["marks"] = RunMarks(tuple(starts.get(i) for i in range(len(optimizers))), returns[0] if returns else None)
+
+
+@contextlib.contextmanager
+def _decoding(tracker: Tracker, model: nn.Module):
+    """While ``model.generate`` is recorded: the op each call of the model starts at, and after
+    each call the KV cache its output carries (``cache``, ``past_key_values`` before transformers
+    renamed it: every tensor the cache object holds) labelled ``Category.KV_CACHE`` for its whole life (a dynamic cache's ``torch.cat``
+    results, a static cache's buffers); yields a dict whose ``"decoding"`` is set when the step
+    has run."""
+    calls: list[int] = []
+    last: dict[str, Any] = {}
+
+    def returned(module, args, output):
+        keys = output.keys() if isinstance(output, Mapping) else ()  # a ModelOutput: its fields that are set
+        name = next((k for k in ("cache", "past_key_values") if k in keys), None)  # transformers >= 5.2x: cache
+        if name is None:
+            return
+        cache = output[name]
+        tensors = [t for t in step.tensors_in(cache).values() if t.dim() >= 3]
+        for t in tensors:
+            _relabel(tracker, t, Category.KV_CACHE)
+        # keys/values are (batch, heads, tokens, head_dim): bytes per token and sequence
+        per_token = [t.element_size() * math.prod(_hint(n) for n in (*t.shape[1:-2], t.shape[-1])) for t in tensors]
+        last.update(bytes_per_token=sum(per_token),
+                    tokens=max((_hint(t.shape[-2]) for t in tensors), default=0), cache=type(cache).__name__)
+
+    handles = [model.register_forward_pre_hook(lambda *_: calls.append(len(tracker.ops))),
+               model.register_forward_hook(returned)]
+    found: dict[str, Decoding] = {}
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+    found["decoding"] = Decoding(tuple(calls), **last)
 
 
 @contextlib.contextmanager

@@ -334,10 +334,13 @@ def has_substitutes(target: Target) -> bool:
 
 
 def apply_optimizer_rules(spec, optimizer: torch.optim.Optimizer | None) -> None:
-    """Apply the optimizer rules of ``spec.device`` (a ``TargetSpec``) to ``optimizer``."""
-    if optimizer is not None:
-        for rule in _OPTIMIZER_RULES.get(spec.device, ()):
-            rule(spec, optimizer)
+    """Apply the optimizer rules of ``spec.device`` (a ``TargetSpec``) to ``optimizer``, and to the
+    optimizer a wrapper steps (``inner``: ``step.MasterWeights``' optimizer of the fp32 copies,
+    which resolves its own defaults such as ``foreach`` from its own groups)."""
+    for opt in (optimizer, getattr(optimizer, "inner", None)):
+        if opt is not None:
+            for rule in _OPTIMIZER_RULES.get(spec.device, ()):
+                rule(spec, opt)
 
 
 def numel(t: torch.Tensor):

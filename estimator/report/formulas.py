@@ -10,7 +10,8 @@ import json
 
 import sympy
 
-from estimator.symbolic import ZERO, B, Poly, S
+from estimator.categories import Category
+from estimator.symbolic import ZERO, B, Poly, S, W, WidthPoly
 from estimator.units import MiB
 
 _MIB_DIGITS = 6
@@ -58,6 +59,8 @@ def to_latex(rep) -> str:
             lines.append(rf"\text{{{category.value}}}({symbols_text(rep)}) &= {sympy.latex(poly.expr)} \;\text{{B}} \\")
     valid = range_text(rep).replace("≤", r"\le").replace("∞", r"\infty")
     lines += [rf"&\text{{valid for }} {valid}", r"\end{align*}"]
+    if rep.dtype_formula is not None:
+        lines += dtype_latex(rep.dtype_formula)
     return "\n".join(lines)
 
 
@@ -91,6 +94,8 @@ def to_markdown(rep) -> str:
                          f"{'max(' + formula + ')' if len(r.report.pieces) > 1 else formula} | {r.report.peak_bytes:,} |")
     if rep.guards:
         lines += ["", "Guards: " + "; ".join(f"`{g}`" for g in rep.guards)]
+    if rep.dtype_formula is not None:
+        lines += ["", *dtype_markdown(rep.dtype_formula)]
     return "\n".join(lines) + "\n"
 
 
@@ -101,4 +106,138 @@ def to_json(rep, indent: int | None = 2) -> str:
     if rep.seq is not None:
         data["symbols"] = [str(B), str(S)]
     data["breakdown_coefficients"] = {c.value: coefficients(p) for c, p in rep.breakdown_formula.items()}
+    if rep.dtype_formula is not None:
+        data["dtype_formula"] = dtype_dict(rep.dtype_formula)
     return json.dumps(data, indent=indent)
+
+
+# report(dtype_symbols=True): the formulas in b (s) and w, the element width of the model's dtype.
+PSI = sympy.Symbol("Psi", integer=True, positive=True)  # Ψ: trainable parameters
+_PSI_CATEGORIES = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+
+
+def psi_expr(poly: WidthPoly, psi: int) -> sympy.Expr | None:
+    """Bytes without ``b`` or ``s`` written in Ψ (``psi`` trainable parameters): ``kΨ·w + qΨ + r``
+    with ``0 <= r < Ψ`` (Adam's state ``2Ψ·w + 24``: the step counters); None when the coefficient of
+    ``w`` is not a multiple of Ψ (frozen parameters) or the bytes depend on the batch."""
+    a, c, d = poly.terms
+    if d != 1 or psi <= 0 or max(a.degree, c.degree) > 0 or a.has_s or c.has_s:
+        return None
+    k, (q, r) = divmod(c.coeff(0), psi), divmod(a.coeff(0), psi)
+    if k[1] or k[0] < 0 or q < 0:
+        return None
+    return k[0] * PSI * W + q * PSI + r
+
+
+def _groups(line) -> list[tuple[tuple[str, ...], object]]:
+    """``(dtypes, piece)`` for each distinct peak piece of ``line``: the dtypes whose peak it is."""
+    groups: dict[int, list[str]] = {}
+    for dtype, index in line.peaks.items():
+        groups.setdefault(index, []).append(dtype)
+    return [(tuple(dtypes), line.pieces[index]) for index, dtypes in groups.items()]
+
+
+def widths_text(widths) -> str:
+    """``{"fp32": 4, "bf16": 2}`` -> ``"w = 4: fp32; w = 2: bf16"``."""
+    by: dict[int, list[str]] = {}
+    for dtype, w in widths.items():
+        by.setdefault(w, []).append(dtype)
+    return "; ".join(f"w = {w}: {', '.join(names)}" for w, names in sorted(by.items(), reverse=True))
+
+
+def _where(piece) -> str:
+    return f"{piece.phase.value}: {piece.op}" + (f" in {piece.module}" if piece.module else "")
+
+
+def _dtype_symbols(df) -> str:
+    return "b, s, w" if df.seq is not None else "b, w"
+
+
+def dtype_latex(df) -> list[str]:
+    """One ``align*`` block per line of the dtype formula: the peak in ``b`` and ``w``, then the
+    categories at each dtype's peak (with their Ψ form)."""
+    out = []
+    for line in df.lines:
+        terms = [sympy.latex(p.expr) for p in line.pieces]
+        peak = terms[0] if len(terms) == 1 else r"\max\left(" + ",\\; ".join(terms) + r"\right)"
+        out += [r"\begin{align*}",
+                rf"\mathrm{{peak}}({_dtype_symbols(df)}) &= {peak} \;\text{{B}} \\",
+                rf"&\text{{{widths_text(line.widths)}}} \\"]
+        for dtypes, piece in _groups(line):
+            out.append(rf"&\text{{at the peak of {', '.join(dtypes)} ({_where(piece)}):}} \\")
+            for category, poly in piece.breakdown.items():
+                if poly.lo == ZERO and poly.hi == ZERO:
+                    continue
+                psi = psi_expr(poly, df.params) if category in _PSI_CATEGORIES else None
+                extra = f" = {sympy.latex(psi)}" if psi is not None and psi != poly.expr else ""
+                out.append(rf"\text{{{category.value}}}({_dtype_symbols(df)}) &= {sympy.latex(poly.expr)}{extra}"
+                           r" \;\text{B} \\")
+        upper = r"\infty" if df.valid_to is None else str(df.valid_to)
+        out += [rf"&\text{{valid for }} {df.valid_from} \le b \le {upper},\; \Psi = {df.params}"
+                r" \text{ trainable parameters}", r"\end{align*}"]
+    return out
+
+
+def dtype_markdown(df) -> list[str]:
+    """The dtype formula: the peak in ``b`` and ``w`` per line, a table of the categories at each
+    dtype's peak (formula, Ψ form, bytes at the batch), and its notes."""
+    out = [f"**In terms of the dtype** (w = bytes per element of the model's float dtype, {df.model_dtype} as given; "
+           f"Ψ = {df.params:,} trainable parameters; valid for {df.valid_from} ≤ b ≤ "
+           f"{'∞' if df.valid_to is None else df.valid_to}):"]
+    at = f"b = {df.batch}" + (f", s = {df.seq}" if df.seq is not None else "")
+    for line in df.lines:
+        peak = " , ".join(f"`{p.expr}`" for p in line.pieces)
+        out += ["", f"peak({_dtype_symbols(df)}) = " + (f"max({peak})" if len(line.pieces) > 1 else peak)
+                + f" ({widths_text(line.widths)})"]
+        for dtypes, piece in _groups(line):
+            out += ["", f"| at the peak of {', '.join(dtypes)} ({_where(piece)}) | formula (B) | in Ψ | "
+                    + " | ".join(f"{d} at {at}" for d in dtypes) + " |",
+                    "|---|---|---|" + "---:|" * len(dtypes)]
+            for category, poly in piece.breakdown.items():
+                if poly.lo == ZERO and poly.hi == ZERO:
+                    continue
+                psi = psi_expr(poly, df.params) if category in _PSI_CATEGORIES else None
+                psi_text = "" if psi is None else f"`{str(psi).replace('Psi', 'Ψ').replace('*', '·')}`"
+                values = " | ".join(f"{_value(poly, line.widths[d], df):,}" for d in dtypes)
+                out.append(f"| {category.value} | `{poly.expr}` | {psi_text} | {values} |")
+    out += ["", *(f"- {note}" for note in df.notes)]
+    return out
+
+
+def _value(poly: WidthPoly, w: int, df) -> int:
+    p = poly.at_width(w)
+    return p(df.batch, df.seq) if p.has_s else p(df.batch)
+
+
+def width_coefficients(poly: WidthPoly) -> dict:
+    """``{"formula", "numerator_const", "numerator_w", "denominator"}``: the bytes are
+    ``(numerator_const + numerator_w·w) / denominator``, exact integer coefficients (``coefficients``)."""
+    a, c, d = poly.terms
+    return {"formula": str(poly.expr), "numerator_const": coefficients(a), "numerator_w": coefficients(c),
+            "denominator": d}
+
+
+def dtype_dict(df) -> dict:
+    """The dtype formula as JSON-ready data, with exact integer coefficients."""
+    lines = []
+    for line in df.lines:
+        peaks = {}
+        for dtype, index in line.peaks.items():
+            piece = line.pieces[index]
+            peaks[dtype] = {
+                "piece": index, "bytes": _value(piece.bytes, line.widths[dtype], df),
+                "breakdown": {c.value: {**width_coefficients(p), "bytes": _value(p, line.widths[dtype], df),
+                                        **({"psi": str(e)} if (e := psi_expr(p, df.params)) is not None
+                                           and c in _PSI_CATEGORIES else {})}
+                              for c, p in piece.breakdown.items()},
+            }
+        lines.append({
+            "widths": dict(line.widths), "peak": str(line.peak),
+            "pieces": [{**width_coefficients(p.bytes), "phase": p.phase.value, "op": p.op, "module": p.module}
+                       for p in line.pieces],
+            "peaks": peaks,
+        })
+    return {"symbols": [str(B), *([str(S)] if df.seq is not None else []), str(W)], "width": str(W),
+            "model_dtype": df.model_dtype, "psi": df.params, "batch": df.batch, "seq": df.seq,
+            "valid_from": df.valid_from, "valid_to": df.valid_to, "guards": list(df.guards), "lines": lines,
+            "notes": list(df.notes)}

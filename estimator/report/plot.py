@@ -25,6 +25,7 @@ COLORS = {
     Category.GRADIENT: "#ff7f0e",
     Category.OPTIMIZER_STATE: "#9467bd",
     Category.ACTIVATION: "#2ca02c",
+    Category.KV_CACHE: "#bcbd22",
     Category.TEMPORARY: "#d62728",
 }
 PHASE_COLORS = {Phase.FORWARD: "#1f77b4", Phase.BACKWARD: "#ff7f0e", Phase.OPTIMIZER: "#9467bd"}

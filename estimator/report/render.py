@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tabulate import tabulate
@@ -15,13 +16,13 @@ TABLE_DEPTH = 2
 
 
 def table(rep) -> str:
+    where = f"in the {rep.peak_piece.phase.value} phase at {rep.peak_piece.op}" + (
+        f" in {rep.peak_piece.module}" if rep.peak_piece.module else "")
     lines = [
-        f"fxmem: {rep.model}, {rep.mode.value}"
-        + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
-        + f", device {rep.device}" + (f" ({rep.target.gpu.describe()})" if rep.cuda is not None else "")
-        + f", batch {rep.batch}" + (f", sequence length {rep.seq}" if rep.seq is not None else ""),
-        f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) in the {rep.peak_piece.phase.value} phase"
-        f" at {rep.peak_piece.op}" + (f" in {rep.peak_piece.module}" if rep.peak_piece.module else ""),
+        f"fxmem: {rep.model}, {rep.mode.value}" + (f", optimizer {rep.optimizer}" if rep.optimizer else "")
+        + f", b = {rep.batch}" + (f", s = {rep.seq}" if rep.seq is not None else "") + f", {target_text(rep.target)}",
+        (f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) {where}" if rep.cuda is None
+         else f"peak: {_on_device_text(rep)}\n      the allocated peak is {where}"),
         f"formula (bytes, {rep.path.value} capture, valid for {range_text(rep)}): {rep.peak}",
         "",
     ]
@@ -54,6 +55,35 @@ def table(rep) -> str:
         lines += ["", "guards: " + "; ".join(rep.guards)]
     lines += [f"note: {note}" for note in rep.notes]
     return "\n".join(lines)
+
+
+def target_text(target) -> str:
+    """What the prediction is for, as the first line of a report says it: ``"on the CPU"``, or
+    ``"on NVIDIA H100 80GB HBM3"`` with, when no ``gpu=`` was given, that this is the default
+    GPU."""
+    if not target.is_cuda:
+        return "on the CPU"
+    gpu = target.gpu
+    if gpu.taken_for is not None:  # a family name: which variant, and that the memory differs
+        text = f"on {gpu.name} ({gpu.describe().removeprefix(gpu.name + ', ')})"
+    elif gpu.name.startswith("sm_"):  # an architecture alone
+        text = f"on an {gpu.name} GPU"
+    elif gpu.name.endswith(" GPU"):  # a memory size alone ("24.00 GiB GPU")
+        text = f"on a {gpu.name}"
+    else:
+        text = f"on {gpu.name}"
+    return text + (" (default GPU: pass --gpu / gpu= for yours)" if target.default_gpu else "")
+
+
+def _on_device_text(rep) -> str:
+    """CUDA: the three peaks users read side by side (the table below has their bytes), and the
+    device memory's share of the GPU's."""
+    device = rep.device_bytes
+    total = rep.target.gpu.total_memory
+    share = "" if not total else (f" ({100 * device / total:.1f} % of its {format_bytes(total)}"
+                                  + ("; does not fit)" if device > total else ")"))
+    return (f"{format_bytes(rep.peak_bytes)} allocated, {format_bytes(rep.reserved_bytes)} reserved, "
+            f"{format_bytes(device)} on the device{share}")
 
 
 def _ranks_table(rep) -> str:
@@ -143,6 +173,7 @@ def to_dict(rep) -> dict[str, Any]:
         ],
         "cuda": None if rep.cuda is None else {
             "gpu": rep.target.gpu.name,
+            "default_gpu": rep.target.default_gpu,  # no gpu= given: the first line says so
             "max_memory_allocated": rep.peak_bytes,
             "max_memory_reserved": rep.reserved_bytes,
             "device_bytes": rep.device_bytes,
@@ -154,4 +185,7 @@ def to_dict(rep) -> dict[str, Any]:
             "step_max_memory_allocated": rep.cuda.step_allocated,
             "step_max_memory_reserved": rep.cuda.step_reserved,
         },
+        "generation": None if rep.generation is None else {
+            **dataclasses.asdict(rep.generation), "peak_in": rep.generation.where,
+            "kv_cache_bytes": rep.generation.kv_bytes(rep.batch)},
     }

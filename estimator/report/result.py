@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sympy
@@ -13,8 +13,9 @@ from torch import fx
 from estimator.account import Timeline
 from estimator.categories import Category, Mode, Phase
 from estimator.errors import InputError
+from estimator.report.dtypes import DtypeFormula
 from estimator.strategy import DEFAULT, Strategy
-from estimator.symbolic import Poly, max_fitting
+from estimator.symbolic import ZERO, Poly, max_fitting, nondominated
 from estimator.target.cuda import CudaMemory, Overhead
 from estimator.target.spec import TargetSpec
 from estimator.units import as_int, parse_bytes
@@ -39,6 +40,15 @@ class Piece:
     def expr(self) -> sympy.Expr:
         return self.bytes.expr
 
+    @classmethod
+    def at(cls, timeline: Timeline, index: int, k: int, fixed: Poly = ZERO) -> Piece:
+        """Candidate ``k`` of op ``index`` of ``timeline`` (``Timeline.candidates``; -1: before the
+        step) plus ``fixed`` bytes held outside its tensors."""
+        if index < 0:
+            return cls(sum(timeline.baseline, ZERO) + fixed, Phase.FORWARD, "(before the step)", None, "")
+        op = timeline.ops[index]
+        return cls(op.peaks()[k] + fixed, op.phase, op.op + (" (kernel scratch)" if k else ""), op.node, op.module)
+
 
 @dataclass(frozen=True)
 class ModuleRow:
@@ -50,6 +60,27 @@ class ModuleRow:
     param_bytes: int
     activations: Poly  # bytes its ops allocated that stay alive for backward
     at_peak: Poly  # bytes its ops allocated that are alive at the peak (at ``batch``)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """``mode="generate"``: what the step generates and what its KV cache costs (at the report's
+    sequence length)."""
+
+    new_tokens: int
+    prompt_tokens: int  # the prompt's length s (the report's)
+    cache: str  # the cache's class: DynamicCache (grown at every step), StaticCache (sized at the prefill)
+    kv_bytes_per_token: int  # per sequence: keys and values of every layer
+    cache_tokens: int  # the tokens the cache holds (dynamic) or has room for (static) after the last call
+    peak_call: int  # where the peak is: 0 the prefill, k the k-th decode step
+
+    @property
+    def where(self) -> str:
+        return "the prefill" if self.peak_call == 0 else f"decode step {self.peak_call} of {self.new_tokens - 1}"
+
+    def kv_bytes(self, b: int) -> int:
+        """The last call's KV cache for ``b`` sequences."""
+        return b * self.cache_tokens * self.kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,10 @@ class Report:
     # The data-dependent sizes the step used (``estimator.capture.datadep.Site``: the call site,
     # ``upper`` and ``used`` in b, and why), for ``report(data_dependent=)``.
     data_dependent: tuple = ()
+    generation: Generated | None = None  # mode="generate": new tokens, KV cache per token, where the peak is
+    # report(dtype_symbols=True): the peak and its categories in b and the element width w of the
+    # model's float dtype (``estimator.report.dtypes.DtypeFormula``).
+    dtype_formula: DtypeFormula | None = None
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -158,9 +193,44 @@ class Report:
         s = self.seq if s is None else s
         return [p.bytes.at_s(s) if s is not None else p.bytes for p in self.pieces]
 
-    def at(self, b: int, s: int | None = None) -> int:
+    def _generating(self, new_tokens: int | None) -> Report:
+        """This report, or for ``new_tokens`` fewer than it generates (``mode="generate"``, a dynamic
+        cache) the same call stopped there: its run is this run up to the decode step it does not
+        make (the same ops: the stopping test only answers otherwise), every tensor then freed as
+        ``generate`` returns.  For ``at``/``max_batch``/``fits`` only: its breakdown and modules
+        stay this report's."""
+        g = self.generation
+        if new_tokens is None or (g is not None and new_tokens == g.new_tokens):
+            return self
+        if g is None:
+            raise InputError("new_tokens= is for mode='generate' reports")
+        n = as_int(new_tokens, "new_tokens")
+        if n > g.new_tokens:
+            raise InputError(f"this report generates {g.new_tokens} tokens and a run of {n} goes further: call "
+                             f"estimator.report(..., new_tokens={n}) (or more, then ask for fewer)")
+        if g.cache != "DynamicCache":
+            raise InputError(f"a {g.cache} is sized for the prompt and the new tokens at the prefill, so a run of "
+                             f"{n} tokens is not part of this one: call estimator.report(..., new_tokens={n})")
+        timeline = self.timeline.prefix(self.timeline.decoding.calls[n])  # call n: the first one it does not make
+        candidates = timeline.candidates()
+        keep = nondominated([poly for poly, _ in candidates], self.valid_from, self.valid_to,
+                            self.seq_range[0] if self.seq is not None else 0)
+        cuda, fixed = None, ZERO
+        if self.cuda is not None:  # as estimate._assemble: the pieces hold the cuBLAS workspaces too
+            from estimator.target import cuda as target
+
+            cuda = target.predict(timeline.at_s(self.seq) if self.seq is not None else timeline, self.batch, self.target)
+            fixed = Poly.const(target.cublas_workspaces(timeline) * target.workspace_bytes(self.target))
+        fewer = replace(g, new_tokens=n, cache_tokens=g.cache_tokens - (g.new_tokens - n))
+        pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
+        return replace(self, timeline=timeline, pieces=pieces, cuda=cuda, generation=fewer)
+
+    def at(self, b: int, s: int | None = None, new_tokens: int | None = None) -> int:
         """Predicted peak bytes at batch size ``b`` (and sequence length ``s``, default the
-        sample's); CUDA: ``max_memory_allocated``."""
+        sample's; ``mode="generate"``: ``new_tokens`` up to the report's); CUDA:
+        ``max_memory_allocated``."""
+        if new_tokens is not None:
+            return self._generating(new_tokens).at(b, s)
         b, s = self._check_range(b, s)
         if self.cuda is not None:
             return self.on_device(b, s).allocated
@@ -206,15 +276,19 @@ class Report:
                              "known memory size has a default")
         return gpu.total_memory
 
-    def max_batch(self, budget: int | str | None = None, s: int | None = None) -> int:
+    def max_batch(self, budget: int | str | None = None, s: int | None = None, new_tokens: int | None = None) -> int:
         """The largest batch size whose step fits in ``budget`` (bytes or ``"80GiB"``) at sequence
-        length ``s`` (default the sample's); 0 if none.
+        length ``s`` (default the sample's); 0 if none.  ``mode="generate"``: how many sequences
+        of prompt ``s`` fit generating ``new_tokens`` (default the report's; fewer with a dynamic
+        cache: see ``at``).
 
         CPU: exact, ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
         CUDA: the budget is the device's memory (default: the GPU's); the inverted formula
         bounds the answer from above and the allocator replay finds the largest ``b`` whose
         ``device_bytes`` fit (bisection: reserved memory grows with ``b``).
         """
+        if new_tokens is not None:
+            return self._generating(new_tokens).max_batch(budget, s)
         _, s = self._check_range(self.batch, s)
         limit = self._budget(budget)
         tensor_limit = limit if self.cuda is None else limit - self.cuda.context
@@ -250,9 +324,12 @@ class Report:
             return best
         return _bisect(lambda s: self._device_fits(b, s, limit), lo, best)
 
-    def fits(self, budget: int | str | None = None, b: int | None = None, s: int | None = None) -> bool:
+    def fits(self, budget: int | str | None = None, b: int | None = None, s: int | None = None,
+             new_tokens: int | None = None) -> bool:
         """Whether the step at ``b`` (default: ``batch``) and ``s`` fits in ``budget`` (CUDA: the
         device's memory, default the GPU's, compared with ``device_bytes``)."""
+        if new_tokens is not None:
+            return self._generating(new_tokens).fits(budget, b if b is not None else self.batch, s)
         limit = self._budget(budget)
         if self.cuda is not None:
             return self._device_fits(b, s, limit)

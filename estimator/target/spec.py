@@ -11,7 +11,8 @@ from estimator.target.cuda_allocator import AllocatorConfig
 from estimator.target.gpus import GpuSpec, resolve_gpu
 from estimator.units import MiB, parse_bytes
 
-# The GPU assumed when device="cuda" is asked for without one (the report says so).
+# The GPU assumed when no gpu= is given (device="cuda" is report()'s default; the report's first
+# line and a note say so).
 DEFAULT_GPU = "H100"
 # The CUDA context and the libraries' code loaded into device memory, outside the caching
 # allocator (what nvidia-smi shows on top of max_memory_reserved).  Not derivable from source:
@@ -28,6 +29,8 @@ class TargetSpec:
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)  # PYTORCH_CUDA_ALLOC_CONF
     cublas_workspace_config: str | None = None  # CUBLAS_WORKSPACE_CONFIG
     context_bytes: int = DEFAULT_CONTEXT_BYTES
+    # CUDA: no gpu= was given and ``gpu`` is DEFAULT_GPU (the report's first line says so).
+    default_gpu: bool = field(default=False, compare=False)
 
     @property
     def is_cuda(self) -> bool:
@@ -51,12 +54,19 @@ def target_spec(device: str, gpu=None, alloc_conf: str | None = None, context_by
     notes: list[str] = []
     if target is Target.CPU:
         if gpu is not None or alloc_conf is not None:
-            raise InputError("gpu= and alloc_conf= describe a CUDA target: pass device='cuda' with them")
+            given = [name for name, value in (("gpu=", gpu), ("alloc_conf=", alloc_conf)) if value is not None]
+            raise InputError(f"{' and '.join(given)} describe{'s' * (len(given) == 1)} a CUDA target but device='cpu' "
+                             f"asks for the CPU: drop device='cpu' (CUDA is the default) or drop {' and '.join(given)}")
         return TargetSpec(), notes
-    if gpu is None:
+    default_gpu = gpu is None
+    if default_gpu:
         gpu = DEFAULT_GPU
-        notes.append(f"no gpu= given: the architecture and capacity are those of the {DEFAULT_GPU}")
     spec_gpu = resolve_gpu(gpu)
+    if default_gpu:
+        notes.append(f"no gpu= given (CLI: --gpu): the prediction is for the default GPU, the {spec_gpu.name}: its "
+                     "architecture decides kernel choices and workspaces, its memory is the default budget of "
+                     "max_batch/fits; name yours (gpu='A100 80GB', 'RTX 4090', 'sm_86' or a memory size such as "
+                     "'24GiB'), or device='cpu' for the CPU")
     if spec_gpu.major is None:  # a bare memory figure: capacity only
         arch = resolve_gpu(DEFAULT_GPU)
         notes.append(f"gpu={gpu!r} gives a capacity but no architecture: kernel choices are those of the {arch.name}")
@@ -65,5 +75,6 @@ def target_spec(device: str, gpu=None, alloc_conf: str | None = None, context_by
         alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     context = DEFAULT_CONTEXT_BYTES if context_bytes is None else parse_bytes(context_bytes)
     return TargetSpec(
-        Target.CUDA, spec_gpu, AllocatorConfig.parse(alloc_conf), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), context
+        Target.CUDA, spec_gpu, AllocatorConfig.parse(alloc_conf), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), context,
+        default_gpu,
     ), notes

@@ -1,0 +1,160 @@
+"""``report(mode="generate")``: transformers' ``model.generate()`` (prefill, then a decode step per
+new token) against the same call measured on CPU, the KV cache as its own category, the formula
+in the prompt length on the CUDA target, the command line and the refusals.
+
+The full grid (three models, both caches, three (s, n), b = 2 and 8) is
+``python -m validators.generate`` (docs/validation.md, "Generation"); these are a few of its cases.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import estimator
+from estimator import Category, step
+from estimator.cli import cli
+from estimator.errors import CaptureError, InputError
+
+pytest.importorskip("transformers")
+from validators import generate as gen  # noqa: E402 (needs transformers)
+from validators.cpu import measure_user_step  # noqa: E402
+
+TOLERANCE_PCT = 0.5  # the issue's bar; every case here measures exact to the byte
+
+
+@pytest.mark.parametrize("name, cache, s, n", [
+    ("gpt2", None, 8, 4),  # multi-head attention, DynamicCache (torch.cat at every step)
+    ("llama", "static", 8, 4),  # grouped-query attention, a StaticCache sized at the prefill
+    ("mixtral", None, 8, 3),  # experts: the routed tokens' sizes and values from the probe
+])
+def test_generate_matches_the_measured_call(name, cache, s, n):
+    for row in gen.run_case(name, cache, s, n, batches=(2, 5)):
+        assert abs(row.error) <= TOLERANCE_PCT, row
+        assert row.predicted == row.measured, row  # exact to the byte today
+
+
+def test_kv_cache_is_its_own_category():
+    """Llama (2 layers, 2 key/value heads of head_dim 64 / 4 = 16, fp32): keys and values are
+    2 x 2 layers x 2 heads x 16 x 4 B = 512 B per token and sequence.  A dynamic cache after the
+    last call holds s + n - 1 tokens (the last new token's keys are never computed): 8 + 4 - 1 = 11."""
+    rep = estimator.report(gen.make_model("llama"), gen.make_sample(2, 8), mode="generate", new_tokens=4,
+                           device="cpu", batch=3)
+    g = rep.generation
+    assert (g.new_tokens, g.prompt_tokens, g.cache, g.kv_bytes_per_token, g.cache_tokens) == (
+        4, 8, "DynamicCache", 512, 11)
+    assert g.kv_bytes(3) == 3 * 11 * 512
+    assert rep.mode is estimator.Mode.GENERATE
+    # the cache at the peak is a multiple of whole tokens of whole sequences: 512 B x tokens x b
+    kv = rep.breakdown_formula[Category.KV_CACHE]
+    assert kv.coeff(1) % 512 == 0 and kv(3) == rep.breakdown[Category.KV_CACHE] > 0
+    assert any(note.startswith("generate: the peak is in") for note in rep.notes)
+    assert json.loads(rep.to_json())["generation"]["kv_bytes_per_token"] == 512
+
+
+def _small_vocab_gpt2():
+    """A vocabulary of 64: the logits stay small, so the growing cache puts the peak in the last
+    decode step (with the validator's 1,000 tokens, these short runs peak in the prefill)."""
+    from estimator.integrations._common import import_optional
+
+    transformers = import_optional("transformers", "test")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=64, n_positions=64)
+    sample = {"input_ids": torch.randint(0, 64, (2, 2)), "attention_mask": torch.ones(2, 2, dtype=torch.long)}
+    return transformers.GPT2LMHeadModel(config).eval(), sample
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fewer_new_tokens_from_one_report(device):
+    """A dynamic cache's run of n' < n tokens is the run of n up to its n'-th decode step:
+    ``at``/``max_batch``/``fits(new_tokens=n')`` equal a separate report's, on both targets."""
+    model, sample = _small_vocab_gpt2()
+    rep = estimator.report(model, sample, mode="generate", new_tokens=10, device=device)
+    other = estimator.report(model, sample, mode="generate", new_tokens=6, device=device)
+    assert (rep.generation.where, other.generation.where) == ("decode step 9 of 9", "decode step 5 of 5")
+    for b in (2, 9):
+        assert rep.at(b, new_tokens=6) == other.at(b) < rep.at(b)
+    if device == "cpu":  # 1 MiB: 13,504 B per sequence over 433,180 B, 6 tokens (the 10 tokens': 17,664 B)
+        assert rep.max_batch("1MiB", new_tokens=6) == other.max_batch("1MiB") == (2**20 - 433180) // 13504 == 45
+        assert rep.max_batch("1MiB") == (2**20 - 433180) // 17664 == 34
+        assert rep.fits("1MiB", b=45, new_tokens=6) and not rep.fits("1MiB", b=45)
+    else:  # device memory: the allocator replay, whose reserved bytes grow in 2 MiB (and 20 MiB) steps
+        budget = other.on_device(200).device
+        assert rep.max_batch(budget, new_tokens=6) == other.max_batch(budget) >= 200
+        assert rep.fits(budget, b=200, new_tokens=6)
+    with pytest.raises(InputError, match="goes further"):
+        rep.at(2, new_tokens=11)
+
+
+def test_static_cache_remembers_a_longer_generation():
+    """transformers sizes a StaticCache for the longest generation the model object has run
+    (``_previous_max_cache_length``): fxmem's copy of the model carries it, and says so."""
+    model = gen.make_model("gpt2")
+    measure_user_step(model, gen.make_sample(2, 16), step.Generation(8, "static"), None, "generate")
+    rep = estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3,
+                           cache_implementation="static", device="cpu")
+    assert rep.generation.cache_tokens == 16 + 8 - 1  # not 8 + 3 - 1: the earlier, longer call's
+    assert any("_previous_max_cache_length" in note for note in rep.notes)
+
+
+def test_prompt_length_symbolic_on_cuda():
+    """With ``dynamic=`` the CUDA target's formula is in b and s (no host-measured kernel there):
+    at another prompt length it equals a separate capture at that length."""
+    dynamic = {"input_ids": {1: "s"}, "attention_mask": {1: "s"}}
+    rep = estimator.report(gen.make_model("gpt2"), gen.make_sample(2, 8), mode="generate", new_tokens=3,
+                           device="cuda", dynamic=dynamic)
+    assert estimator.S in rep.peak.free_symbols
+    other = estimator.report(gen.make_model("gpt2"), gen.make_sample(2, 20), mode="generate", new_tokens=3,
+                             device="cuda")
+    for b in (2, 7):
+        assert rep.peak.subs({estimator.B: b, estimator.S: 20}) == other.peak.subs(estimator.B, b)
+
+
+def test_command_line(tmp_path):
+    """``fxmem report transformers:DIR --generate N``: the prompt is the sample's input_ids with a
+    mask of ones (its labels dropped)."""
+    from estimator.integrations._common import import_optional
+
+    transformers = import_optional("transformers", "test")
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=500, n_positions=64).save_pretrained(tmp_path)
+    args = ["report", f"transformers:{tmp_path}", "--generate", "3", "--seq-len", "8", "--batch", "2",
+            "--device-init", "cpu", "--device", "cpu", "--json", "-q"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert data["mode"] == "generate"
+    # 1 layer x (keys + values) x 2 heads x head_dim 16 x 4 B = 256 B per token; 8 + 3 - 1 tokens
+    assert (data["generation"]["kv_bytes_per_token"], data["generation"]["cache_tokens"]) == (256, 10)
+    result = CliRunner().invoke(cli, ["report", f"transformers:{tmp_path}", "--generate", "3", "--seq-len", "8",
+                                      "--device", "cpu", "-q"])
+    assert result.exit_code == 3 and "--device-init cpu" in result.output  # meta weights: nothing to run
+    result = CliRunner().invoke(cli, ["report", "mlp", "--cache", "static", "-q"])
+    assert result.exit_code == 2 and "--generate" in result.output
+    result = CliRunner().invoke(cli, ["report", "mlp", "--generate", "2", "--accumulate", "2", "-q"])
+    assert result.exit_code == 2 and "drop --accumulate" in result.output
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "generate"}, "needs new_tokens="),
+    ({"mode": "generate", "new_tokens": 0}, "new_tokens must be a positive int"),
+    ({"mode": "generate", "new_tokens": 2, "cache_implementation": "paged"}, "cache_implementation must be"),
+    ({"mode": "train", "new_tokens": 2}, "belongs to mode='generate'"),
+    ({"mode": "generate", "new_tokens": 2, "step": lambda m, s, o: None}, "step= with mode='inference'"),
+    ({"mode": "generate", "new_tokens": 2, "amp": "bf16"}, "drop amp"),
+    ({"mode": "generate", "new_tokens": 2, "sample": torch.zeros(2, 8, dtype=torch.long)}, "a dict with 'input_ids'"),
+    ({"mode": "generate", "new_tokens": 2, "model": torch.nn.Linear(4, 4)}, "needs a model with generate()"),
+])
+def test_refusals(kwargs, message):
+    kwargs = {"model": gen.make_model("gpt2"), "sample": gen.make_sample(2, 8), "device": "cpu", **kwargs}
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimator.report(**kwargs)
+
+
+def test_meta_weights_name_what_generate_asks():
+    with torch.device("meta"):
+        model = gen.make_model("gpt2")
+    with pytest.raises(CaptureError, match="whether a prompt is padded"):
+        estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=2, device="cpu")
