@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -272,6 +274,8 @@ def _estimate(opts: Options, run=None, **extra):
         batch_dims=_batch_dims(opts.batch_dim),
         **extra,
     )
+    if _INTERRUPTED.is_set():  # a Ctrl-C that landed in a weakref callback was only printed, not raised
+        raise KeyboardInterrupt
     _status(opts, f"done in {time.perf_counter() - start:.1f} s")
     return result
 
@@ -751,8 +755,22 @@ def models(as_json):
             click.echo(f"{name:<{width}}  {', '.join(sizes)}")
 
 
+# Set by Ctrl-C.  Python cannot raise an exception out of a weakref callback (the capture's
+# free events) or a __del__: a KeyboardInterrupt raised there is printed and dropped, and the
+# capture would go on to print its table.  _estimate checks the flag when the capture returns.
+_INTERRUPTED = threading.Event()
+
+
+def _on_sigint(signum, frame):
+    _INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console-script entry: returns the exit code."""
+    _INTERRUPTED.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_sigint) if main_thread else None
     try:
         result = cli.main(args=argv, prog_name="fxmem", standalone_mode=False)
     except click.exceptions.Exit as exc:  # raised inside commands (standalone_mode=False passes it)
@@ -763,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("fxmem: interrupted", err=True)
         return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return result if isinstance(result, int) else EXIT_OK
 
 
