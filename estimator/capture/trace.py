@@ -140,11 +140,34 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         try:
             probed = _probed(model, sample, spec)
         except InputError:
-            why = (" (generate() asks whether a prompt is padded and whether every sequence has finished)"
-                   if spec.mode is Mode.GENERATE else "")
-            raise CaptureError(f"{what}{why}; the model's weights are on the meta device, so fxmem cannot run it: "
-                               "build it with real (e.g. random) weights (command line: --device-init cpu)") from None
+            stand_in = generation.narrow_stand_in(model) if spec.mode is Mode.GENERATE else None
+            if stand_in is None:
+                raise CaptureError(f"{what}; the model's weights are on the meta device, so fxmem cannot run it: "
+                                   "build it with real (e.g. random) weights (command line: --device-init cpu)") from None
+            return _stood_in(model, stand_in, sample, spec, batch, symbolic, seq_dims)
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+
+
+def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+              seq_dims) -> RawCapture:
+    """``generate()`` of a model on the meta device, its data-dependent values those of
+    ``generation.narrow_stand_in``'s real run (noted); refused where the capture needs
+    data-dependent sizes too (an MoE's routing: there the values follow the weights)."""
+    real_weights = "build it with real (e.g. random) weights (command line: --device-init cpu)"
+    probed = _probed(stand_in, sample, spec)
+    try:
+        raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+    except datadep.NeedsProbe as exc:  # a value the stand-in's run did not ask: one that follows the weights
+        raise CaptureError(f"{exc}: the weights are on the meta device and a narrow stand-in's run does not ask "
+                           f"it; {real_weights}") from None
+    if raw.data_dependent:
+        raise CaptureError(f"generate() of this model routes tokens by its weights ({raw.data_dependent[0].site}), "
+                           f"which are on the meta device: {real_weights}")
+    raw.notes += (f"generate() asks values fake tensors cannot know (whether a prompt is padded, whether every "
+                  f"sequence has finished: {len(probed.values)} of them); the weights are on the meta device, so "
+                  "they come from a real run of a narrow stand-in (the same class, config and layers, width 64, "
+                  "random weights): they depend on the attention mask and the token count, not on the weights",)
+    return raw
 
 
 def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
