@@ -498,8 +498,11 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         for optimizer in optimizers:
             corrections.apply_optimizer_rules(spec.target, optimizer)
         constructed = {id(p) for optimizer in optimizers for p, values in optimizer.state.items() if values}
+        # generate(): a prefill-only call makes what a model makes once (the cache is made per
+        # call); the full call would double the capture's cost for nothing
+        first = dataclasses.replace(fn, new_tokens=1) if isinstance(fn, step.Generation) else fn
         with checkpointing(fmodel, spec.strategy):
-            result = fn(fmodel, fsample, user_state)
+            result = first(fmodel, fsample, user_state)
         del result
     gc.collect()
     state = step.user_state_tensors(fmodel, user_state, fsample)
