@@ -254,7 +254,7 @@ def _sum(vector: Vector) -> Poly:
 def _fixed(t: Timeline, target) -> Poly:
     """Bytes held beside the step's tensors at every op, as ``Report.peak`` counts them (CUDA: the
     cuBLAS workspaces)."""
-    return Poly.const(cuda.cublas_workspaces(t) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
+    return Poly.const(cuda.workspaces_held(t, target))
 
 
 def _fp16_differences(bf16: Timeline, fp16: Timeline) -> str:

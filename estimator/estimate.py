@@ -509,7 +509,7 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
     with its breakdown, module rows and, on CUDA, the allocator's view."""
     target, batch, seq = common["target"], common["batch"], common["seq"]
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
-    fixed = Poly.const(cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)) if target.is_cuda else ZERO
+    fixed = Poly.const(cuda.workspaces_held(timeline, target))
     candidates = timeline.candidates()
     keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
     pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)

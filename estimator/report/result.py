@@ -215,12 +215,12 @@ class Report:
         candidates = timeline.candidates()
         keep = nondominated([poly for poly, _ in candidates], self.valid_from, self.valid_to,
                             self.seq_range[0] if self.seq is not None else 0)
-        cuda, fixed = None, ZERO
-        if self.cuda is not None:  # as estimate._assemble: the pieces hold the cuBLAS workspaces too
-            from estimator.target import cuda as target
+        from estimator.target import cuda as target
 
+        fixed = Poly.const(target.workspaces_held(timeline, self.target))  # as estimate._assemble's pieces
+        cuda = None
+        if self.cuda is not None:
             cuda = target.predict(timeline.at_s(self.seq) if self.seq is not None else timeline, self.batch, self.target)
-            fixed = Poly.const(target.cublas_workspaces(timeline) * target.workspace_bytes(self.target))
         fewer = replace(g, new_tokens=n, cache_tokens=g.cache_tokens - (g.new_tokens - n))
         pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
         return replace(self, timeline=timeline, pieces=pieces, cuda=cuda, generation=fewer)

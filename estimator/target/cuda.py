@@ -62,9 +62,10 @@ class CudaMemory:
         return self.reserved + self.context
 
 
-def cublas_workspaces(timeline: Timeline) -> int:
-    """How many cuBLAS workspaces the step holds (``cublas_first_uses``)."""
-    return len(cublas_first_uses(timeline))
+def workspaces_held(timeline: Timeline, spec: TargetSpec) -> int:
+    """Bytes the step's cuBLAS workspaces hold beside its tensors (``cublas_first_uses``, one
+    ``workspace_bytes`` each); 0 on a CPU target.  What ``Report.peak`` adds to every op."""
+    return len(cublas_first_uses(timeline)) * workspace_bytes(spec) if spec.is_cuda else 0
 
 
 def cublas_first_uses(timeline: Timeline) -> list[int]:

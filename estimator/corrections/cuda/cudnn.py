@@ -226,7 +226,7 @@ def workspace_bounds(timeline, graph, target, batch: int, seq: int | None = None
     capacity = target.gpu.total_memory
     if capacity is None:
         return ()
-    fixed = cuda.cublas_workspaces(timeline) * cuda.workspace_bytes(target)
+    fixed = cuda.workspaces_held(timeline, target)
     cap = _wscap(wscap_env)
     bounds = []
     for call in conv_calls(timeline, graph):
