@@ -103,6 +103,15 @@ class Timeline:
             return self
         return self._map(lambda p: p.at_s(s))
 
+    def raised(self, extra: Poly) -> Timeline:
+        """This timeline with ``extra`` bytes more temporaries at every op (each candidate peak raised)."""
+        def up(op: OpMemory) -> OpMemory:
+            live = list(op.live)
+            live[_TEMP] += extra
+            return dataclasses.replace(op, live=tuple(live), total=op.total + extra)
+
+        return dataclasses.replace(self, ops=tuple(map(up, self.ops)))
+
     def _map(self, f) -> Timeline:
         """Every byte count mapped by ``f``."""
 

@@ -73,6 +73,7 @@ class Options:
     schedule: str
     master_weights: bool
     step: str | None
+    compile_mode: str | None
     keep_output: bool | None
     generate: int | None
     cache: str | None
@@ -173,6 +174,10 @@ STRATEGY_OPTIONS = [
                  help="pipeline schedule."),
     click.option("--master-weights", is_flag=True,
                  help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
+    click.option("--compile", "compile_mode", is_flag=False, flag_value="default", metavar="[MODE]",
+                 type=click.Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+                 help="the model torch.compile'd (Inductor), optionally with a mode: the compiled program's "
+                      "buffers, as its generated code allocates and frees them."),
 ]
 BUILTIN_STEP_OPTIONS = [
     click.option("--keep-output/--drop-output", "keep_output", default=None,
@@ -191,12 +196,13 @@ def _strategy(opts: Options, model):
         accumulate=opts.accumulate, checkpoint=_module_type(opts.checkpoint, model), data_parallel=opts.data_parallel,
         sharding=None if opts.zero is None else f"zero{opts.zero}", pipeline=opts.pipeline,
         microbatches=opts.microbatches, schedule=opts.schedule, master_weights=opts.master_weights,
+        compile=True if opts.compile_mode == "default" else opts.compile_mode or False,
     )
 
 
 def _options(kwargs) -> Options:
     defaults = {"accumulate": 1, "checkpoint": None, "data_parallel": 1, "zero": None, "pipeline": 1,
-                "microbatches": None, "schedule": "1f1b", "master_weights": False, "keep_output": None,
+                "microbatches": None, "schedule": "1f1b", "master_weights": False, "compile_mode": None, "keep_output": None,
                 "generate": None, "cache": None}
     opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
     from estimator.errors import InputError
@@ -214,7 +220,8 @@ def _options(kwargs) -> Options:
             ("--step", opts.step is not None), ("--amp", opts.amp is not None), ("--accumulate", opts.accumulate != 1),
             ("--checkpoint", opts.checkpoint is not None), ("--dp", opts.data_parallel != 1),
             ("--zero", opts.zero is not None), ("--pipeline", opts.pipeline != 1),
-            ("--master-weights", opts.master_weights), ("--keep-output/--drop-output", opts.keep_output is not None))
+            ("--master-weights", opts.master_weights), ("--keep-output/--drop-output", opts.keep_output is not None),
+            ("--compile", opts.compile_mode is not None))
             if set_]
         if training:
             raise InputError(f"--generate runs model.generate() as it is: drop {', '.join(training)} (--dtype bf16 "
@@ -629,7 +636,7 @@ def _range_note(rep, best: int | None) -> str:
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=4, show_default=True,
               help="devices for the distributed strategies.")
 @click.option("--strategy", "specs", multiple=True, metavar="SPEC",
-              help="a strategy instead of the default eight: Strategy fields as key=value, comma-separated "
+              help="a strategy instead of the default nine: Strategy fields as key=value, comma-separated "
                    "(data_parallel=4,sharding=zero3,amp=bf16,checkpoint=Block); repeat for several.")
 @click.option("--budget", metavar="BYTES", help="also the largest batch that fits per device, e.g. 80GiB.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimator import dtype_formula, step
 from estimator.account import CATEGORIES, Timeline
-from estimator.capture import datadep
+from estimator.capture import compiled, datadep
 from estimator.capture import path as capture_path
 from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
@@ -54,6 +54,7 @@ def report(
     new_tokens: int | None = None,
     cache_implementation: str | None = None,
     dtype_symbols: bool = False,
+    compile: Any = None,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -63,7 +64,7 @@ def report(
     Args:
         model: the ``nn.Module`` (real or ``meta``-device weights; it is not modified, and nothing
             fake reaches the objects it or its hooks hold: see "Hooks" below).  A
-            ``torch.compile``d module is estimated as eager (noted); a ``torch.jit`` scripted or
+            ``torch.compile``d module is estimated as compiled (``compile``); a ``torch.jit`` scripted or
             traced one cannot be captured (pass the eager module).
         sample: one example input: a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``);
             dim 0 of every tensor is the batch (``batch_dims`` names another), of any size.
@@ -162,6 +163,15 @@ def report(
             two widths, exact at all three (fp16 gets a line of its own where its step holds other
             bytes than bf16's).  Not with ``amp`` (autocast has no second width) nor with strategies
             over several devices.
+        compile: the step of the model ``torch.compile``d, estimated as the compiled program:
+            ``True`` (``torch.compile``'s defaults), a mode (``"max-autotune"``, ...), or a dict of
+            ``torch.compile``'s ``backend``, ``mode``, ``options``, ``dynamic``, ``fullgraph``.
+            Default: as the model is (an ``OptimizedModule`` or a module whose ``compile()`` was
+            called is compiled with its own settings; ``False`` estimates it eager).  Dynamo's
+            graphs, AOTAutograd's partition and Inductor's generated program run on fake tensors,
+            its kernels never compiled; the numbers at ``batch`` are the program compiled for that
+            batch size, the formula the program for every ``b`` (see the notes).  Dynamo's caches
+            are reset around the capture (functions compiled in this process compile again).
 
     Hooks: hooks registered on the model's modules run in the fake run, on the copy: each hook
     function is copied with the lists, dicts and sets it reaches (closure, globals), so what it
@@ -188,7 +198,7 @@ def report(
     """
     request = _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
                        dynamic, strategy, data_dependent, batch_dims, step, keep_output, new_tokens,
-                       cache_implementation)
+                       cache_implementation, compile)
     if not isinstance(dtype_symbols, bool):
         raise InputError(f"dtype_symbols must be True or False, got {dtype_symbols!r}")
     if not dtype_symbols:
@@ -199,7 +209,7 @@ def report(
     def cast(model_, sample_, strategy_) -> _Request:  # the same arguments for the model in another dtype
         return _request(model_, sample_, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler,
                         dynamic, strategy_, data_dependent, batch_dims, step, keep_output, new_tokens,
-                        cache_implementation)
+                        cache_implementation, compile)
 
     return dataclasses.replace(_result(request, _capture_step(request, formula)),
                                dtype_formula=dtype_formula.build(request, formula, cast, _capture_formula))
@@ -238,17 +248,25 @@ class _Request:
     @property
     def capture_key(self) -> tuple:
         """Requests with equal keys (in one ``compare``) share the captured formulas."""
-        return self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step
+        return self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step, self.spec.compiled
 
 
 def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_conf, amp, grad_scaler, dynamic,
              strategy, data_dependent="max", batch_dims=None, user_step=None, keep_output=None, new_tokens=None,
-             cache_implementation=None) -> _Request:
+             cache_implementation=None, compile=None) -> _Request:
     notes = []
-    model = _module(model, notes)
+    model, compiled_as = _module(model, notes)
+    compile_strategy = getattr(strategy, "compile", False)
+    if compile is not None and compile_strategy:
+        raise InputError("compile= and Strategy(compile=) both say how the model is compiled: give one")
+    if compile is not None or compile_strategy:
+        compiled_as = compiled.spec_of(compile if compile is not None else compile_strategy)
     sample_batch, dims = _sample_layout(sample, batch_dims)
     batch = sample_batch if batch is None else as_int(batch, "batch")
     mode_ = _mode(mode)
+    if compiled_as is not None and mode_ is Mode.GENERATE:
+        raise InputError("mode='generate' of a compiled model is not modelled: pass the eager model (or "
+                         "compile=False) for an eager estimate")
     generation = _generation(model, sample, mode_, user_step, new_tokens, cache_implementation)
     if generation is not None:
         given = [name for name, value in (("loss_fn", loss_fn), ("amp", amp), ("grad_scaler", grad_scaler),
@@ -276,7 +294,7 @@ def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
     precision = step.Precision.of(amp, grad_scaler, mode_)
     spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy,
-                    datadep.Policy.of(data_dependent), dims, keep_output is not False, user_step)
+                    datadep.Policy.of(data_dependent), dims, keep_output is not False, user_step, compiled_as)
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
     if mode_ is not Mode.TRAIN and optimizer is not None and optimizer != DEFAULT_OPTIMIZER:
@@ -319,9 +337,9 @@ def _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output
                          "step or to estimate with the built-in step")
 
 
-def _module(model, notes: list[str]) -> nn.Module:
-    """``model`` checked: an ``nn.Module``, not scripted; a ``torch.compile`` wrapper unwrapped
-    (noted: the step is estimated as eager)."""
+def _module(model, notes: list[str]) -> tuple[nn.Module, compiled.Compiled | None]:
+    """``model`` checked: an ``nn.Module``, not scripted; a ``torch.compile`` wrapper unwrapped,
+    with how it compiles (``compiled.of``; None: eager)."""
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     scripted = [(f"module {path!r}" if path else "the model", type(m).__name__) for path, m in model.named_modules()
@@ -331,16 +349,12 @@ def _module(model, notes: list[str]) -> nn.Module:
         raise InputError(f"{where} is a torch.jit scripted or traced module ({kind}): fxmem captures the eager step "
                          "and cannot run a scripted one on fake tensors; pass the eager module (the one given to "
                          "torch.jit.script / torch.jit.trace)")
-    compiled = []
-    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        compiled.append("the model")
-        model = model._orig_mod
-    compiled += [path for path, m in model.named_modules()
-                 if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
-    if compiled:
-        notes.append(f"{compiled[0]} is compiled with torch.compile: estimated as eager; compiled steps (fused "
-                     "kernels, CUDA graphs) are not modelled")
-    return model
+    model, compiled_as = compiled.of(model)
+    inner = [path for path, m in model.named_modules() if path and compiled.of(m)[1] is not None]
+    if inner:
+        notes.append(f"module {inner[0]!r} is compiled with torch.compile: estimated as eager (fxmem compiles the "
+                     "whole model only: pass compile= or the model torch.compile returned)")
+    return model, compiled_as
 
 
 def _mode(mode) -> Mode:
@@ -476,7 +490,7 @@ def _result(request: _Request, step_: Captured) -> Report:
         return poly(batch, step_.seq) if poly.has_s else poly(batch)
 
     ranks = per_rank(step_.timeline, model, strategy, spec.target, at)
-    at_batch = per_rank(step_.at_batch, model, strategy, spec.target, at) if step_.outside else ranks
+    at_batch = per_rank(step_.at_batch, model, strategy, spec.target, at) if step_.separate else ranks
     per = tuple(
         RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, step_, {**common, "notes": ()}))
         for r, a in zip(ranks, at_batch)
@@ -514,7 +528,7 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
     keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
     pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
     _, (peak_index, peak_k) = max(at_batch.candidates(), key=lambda c: c[0](batch))
-    formulas = timeline if not step_.outside else at_batch  # in b (and s) where the formula holds
+    formulas = timeline if not step_.separate else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
     on_device = cuda.predict(at_batch, batch, target) if target.is_cuda else None

@@ -119,11 +119,11 @@ class Comparison:
 
 
 def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[dict[str, Strategy], list[str]]:
-    """The eight strategies every guide names, for ``devices`` devices: one device, bf16
-    autocast, checkpointing every block, DDP, ZeRO-1/2/3 and a 1F1B pipeline; the ones the
-    model or ``batch`` cannot take are left out (with the reason)."""
+    """The strategies every guide names, for ``devices`` devices: one device, bf16 autocast,
+    ``torch.compile``, checkpointing every block, DDP, ZeRO-1/2/3 and a 1F1B pipeline; the ones
+    the model or ``batch`` cannot take are left out (with the reason)."""
     found = blocks(model)
-    out = {BASELINE: Strategy(), "AMP bf16": Strategy(amp="bf16")}
+    out = {BASELINE: Strategy(), "AMP bf16": Strategy(amp="bf16"), "compiled": Strategy(compile=True)}
     skipped = []
     if found:
         out[f"checkpoint {type(found[0][1]).__name__}"] = Strategy(checkpoint=type(found[0][1]))
@@ -233,7 +233,7 @@ def plan(
         found = blocks(model)
         extra = {}
         for label, s in named.items():
-            if s.amp is None and s.pipeline == 1:
+            if s.amp is None and s.pipeline == 1 and not s.compile:
                 extra[f"{label} + AMP bf16"] = dataclasses.replace(s, amp="bf16")
                 if s.checkpoint is None and found:
                     extra[f"{label} + AMP bf16 + checkpoint"] = dataclasses.replace(
@@ -304,6 +304,8 @@ def cost(strategy: Strategy) -> str:
         parts.append({None: "all-reduce of gradients", Sharding.ZERO1: "all-reduce + parameter broadcast",
                       Sharding.ZERO2: "all-gather + reduce-scatter",
                       Sharding.ZERO3: "2 all-gathers + reduce-scatter"}[strategy.sharding])
+    if strategy.compile:
+        parts.append("compiles at the first step (and again at a new batch size)")
     if strategy.pipeline > 1:
         s, m = strategy.pipeline, strategy.microbatches
         bubble = (s - 1) / (m + s - 1)

@@ -58,12 +58,13 @@ def test_compare_captures_each_step_once(monkeypatch):
     monkeypatch.setattr(planning, "_capture_formula", counting)
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, devices=4, device="cpu")
-    # the default eight: single, bf16, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B) ->
-    # three captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, checkpointing
+    # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
+    # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing
     assert [r.label for r in result.rows] == [
-        "single device", "AMP bf16", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4", "ZeRO-3 x4",
-        "pipeline x4 (1F1B)"]
-    assert len(calls) == 3
+        "single device", "AMP bf16", "compiled", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4",
+        "ZeRO-3 x4", "pipeline x4 (1F1B)"]
+    assert len(calls) == 4
+    assert result["compiled"].cost.startswith("compiles at the first step")
 
 
 def test_default_strategies_leave_out_what_cannot_apply():
@@ -73,7 +74,7 @@ def test_default_strategies_leave_out_what_cannot_apply():
     named, skipped = planning.default_strategies(Net(), 6, devices=4)
     assert any("b=6 does not split into 4" in s for s in skipped)
     named, _ = planning.default_strategies(Net(), 8, devices=1)
-    assert list(named) == ["single device", "AMP bf16", "checkpoint Linear"]
+    assert list(named) == ["single device", "AMP bf16", "compiled", "checkpoint Linear"]
 
 
 def test_plan_ranks_by_samples_per_step():

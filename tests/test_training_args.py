@@ -93,8 +93,14 @@ def test_devices():
     assert settings({}, world_size=4).strategy == Strategy(data_parallel=4)
 
 
+def test_torch_compile():
+    """``torch_compile``: accelerate compiles the whole model -> ``Strategy(compile=)``."""
+    assert settings({"torch_compile": True}).strategy == Strategy(compile=True)
+    assert settings({"torch_compile_mode": "max-autotune"}).strategy == Strategy(compile="max-autotune")
+
+
 @pytest.mark.parametrize("args, message", [
-    ({"torch_compile": True}, "torch_compile=True: not modelled"),
+    ({"torch_compile": True, "torch_compile_backend": "eager"}, "torch_compile_backend='eager': not modelled"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0"),
     ({"include_num_input_tokens_seen": True}, "include_num_input_tokens_seen='all'"),

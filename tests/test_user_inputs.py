@@ -110,8 +110,7 @@ def test_item_and_compiled_module_leak_no_warning():
         estimator.report(ItemScale(), torch.randn(8, 16), device="cpu")
         compiled = estimator.report(wrapped, torch.randn(8, 16), device="cpu")
     assert [str(w.message) for w in caught] == []
-    assert any("estimated as eager; compiled steps" in n for n in compiled.notes)
-    assert compiled.peak_bytes == estimator.report(model, torch.randn(8, 16), device="cpu").peak_bytes
+    assert any("estimated as compiled" in n for n in compiled.notes)
     assert compiled.model == "Linear"
 
 

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from estimator.capture import compiled
 from estimator.errors import CaptureError, InputError
 from estimator.symbolic import as_expr
 
@@ -148,6 +149,10 @@ class _Sites:
 
     @contextlib.contextmanager
     def hooks(self):
+        if compiled.transparent():  # Dynamo would trace the hooks into the compiled step (graph breaks)
+            yield self
+            return
+
         def enter(m, args):
             self._stack.append((self._names.get(id(m), type(m).__name__), {}))
 
@@ -187,6 +192,8 @@ _ACTIVE: list[DataDependent] = []
 
 class DataDependent(TorchDispatchMode):
     """Answers data-dependent ops on fake tensors by the policy (see the module docstring)."""
+
+    ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
     def __init__(self, policy: Policy, module_names: Mapping[int, str]):
         super().__init__()

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import step
 from estimator.categories import Category
+from estimator.capture import compiled
 from estimator.errors import CaptureError, InputError
 
 CPU = torch.device("cpu")
@@ -286,6 +287,8 @@ class RealTensors(TorchDispatchMode):
     size ``rows`` (met outside the model: a loss target); ``module_names``: the fake model's
     modules by id (a tensor met inside one of their calls is the model's).
     """
+
+    ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
     def __init__(self, mode: FakeTensorMode, module_names: dict[int, str], rows: int, dim: int,
                  as_batch: Callable[[torch.Tensor, int], torch.Tensor], cuda: bool = False):

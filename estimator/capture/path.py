@@ -17,12 +17,12 @@ from typing import Any
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
-from estimator.capture import datadep
+from estimator.capture import compiled, datadep
 from estimator.capture.trace import StepSpec, capture
 from estimator.errors import CaptureError, SymbolicCaptureFailed
 from estimator.report.result import CapturePath
 from estimator.strategy.ranks import RankStep
-from estimator.symbolic import ZERO, NotPolynomial
+from estimator.symbolic import ZERO, NotPolynomial, Poly
 
 log = logging.getLogger("estimator.estimate")  # the logger these messages always had
 
@@ -41,6 +41,7 @@ class Formula:
     seq_range: tuple[int, int | None] | None
     notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
     data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
+    own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
 
     @property
     def seq_range_lo(self) -> int:
@@ -51,8 +52,9 @@ class Formula:
 class Captured(Formula):
     """The formulas of one request (a pipeline's in its batch) and the timeline at its batch."""
 
-    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` when outside
-    outside: bool = False
+    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` itself
+    outside: bool = False  # ``batch`` lies outside the formula's range
+    separate: bool = False  # ``at_batch`` is a capture of its own (outside, or a compiled step's own program)
 
 
 def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
@@ -82,15 +84,31 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         sites = raw.data_dependent
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
-        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else f"; it holds up to b = {valid_to}"))
+        try:
+            timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
+        except CaptureError:
+            if spec.compiled is None:
+                raise
+            # each size compiles another program (autotuning's picks follow the sizes): this size only
+            raw = capture(model, sample, spec, hint, symbolic=False)
+            timeline, graph, valid_from, valid_to, sites = account(raw), raw.graph, hint, hint, raw.data_dependent
+            note = (f"symbolic capture failed ({exc}) and the programs compiled for b = {hint} and {hint + 1} run "
+                    f"different ops (the compiler's choices follow the sizes): the numbers hold for b = {hint} "
+                    "only; report each batch size you consider")
+            host_notes = raw.notes
+        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else
+                             "" if valid_to == valid_from else f"; it holds up to b = {valid_to}"))
         notes.extend(host_notes)
         if seq is not None:
             notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
             seq = None
     _annotate(graph, timeline)
-    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites)
+    own = None
+    if spec.compiled is not None:
+        timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path)
+        notes.extend(compiled_notes)
+    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
@@ -104,7 +122,10 @@ def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbat
     valid_from, valid_to = captured.valid_from, captured.valid_to
     at = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
     outside = micro < valid_from or (valid_to is not None and micro > valid_to)
-    if outside:  # the formula does not hold here: capture this batch size itself
+    own = not outside and captured.own is not None and captured.own[0] == micro
+    if own:  # a compiled step's program for this batch size
+        at = captured.own[1]
+    elif outside:  # the formula does not hold here: capture this batch size itself
         at = account(capture(model, sample, spec, micro, symbolic=False))
         notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
     if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
@@ -115,7 +136,7 @@ def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbat
             notes.append(rounded_note(m))
         valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
     return Captured(**{**vars(captured), "timeline": timeline, "valid_from": valid_from, "valid_to": valid_to,
-                       "notes": tuple(notes)}, at_batch=at, outside=outside)
+                       "notes": tuple(notes)}, at_batch=at, outside=outside, separate=outside or own)
 
 
 def per_micro(timeline: Timeline, m: int, round_up: bool = False) -> Timeline:
@@ -184,6 +205,36 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
             "other captures, and elsewhere by up to a page per rounded buffer"
         )
         return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
+
+
+def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath):
+    """A compiled step at its own batch size: ``torch.compile`` (``dynamic`` not True) compiles a
+    loop at one batch size for that size, static shapes, and Inductor plans such a program apart
+    from the one-for-every-b program the symbolic capture compiled (a freed buffer reused where two
+    sizes happen to coincide, ``torch/_inductor/codegen/wrapper.py`` ``ReuseLine``; small static
+    matrices decomposed).  Returns the formula (raised to the static program's peak at ``hint``
+    where that is higher), the capture at ``hint`` (``Formula.own``: the report's numbers there)
+    and the notes."""
+    label = spec.compiled.label
+    notes = [f"the step is compiled (torch.compile, {label}) and estimated as compiled: the forward and backward "
+             "graphs as AOTAutograd partitions them, the compiler's buffers and their lifetimes as its generated "
+             "program allocates and frees them (its kernels are not run)", *compiled.notes(spec)]
+    if spec.compiled.dynamic or path is CapturePath.CONCRETE:  # the formula's captures are static programs
+        return timeline, None, notes
+    static = account(capture(model, sample, spec, hint, symbolic=False))
+    at = timeline.at_s(seq) if seq is not None else timeline
+    formula_peak = max(p(hint) for p, _ in at.candidates())
+    static_peak = max(p(hint) for p, _ in static.candidates())
+    off = 100 * (static_peak - formula_peak) / static_peak
+    if static_peak > formula_peak:  # never below the program the user runs at b=hint
+        timeline = timeline.raised(Poly.const(static_peak - formula_peak))
+    notes.append(f"each batch size compiles its own program (static shapes, as a loop at one batch size does): the "
+                 f"numbers at b={hint} come from that program; the formula in b is the program compiled for every "
+                 f"b at once (dynamic=True), {formula_peak:,} B at b={hint} ({off:+.1f}% from the static program's "
+                 f"{static_peak:,} B)" + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, "
+                 "at every b" if static_peak > formula_peak else "") + ("; at other batch sizes the static program "
+                 "can differ as much: report the batch you choose for its exact numbers" if abs(off) >= 0.5 else ""))
+    return timeline, (hint, static), notes
 
 
 def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:

@@ -30,7 +30,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import corrections, custom_ops, step
-from estimator.capture import datadep, generation
+from estimator.capture import compiled, datadep, generation
 from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
 from estimator.corrections.mode import Substitutions
@@ -60,6 +60,7 @@ class StepSpec:
     batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
     keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
     step: step.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
+    compiled: compiled.Compiled | None = None  # the model is torch.compile'd so (None: eager)
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,9 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     memo: dict[int, Any] = {}  # the user's objects -> their fake copies
     fmodel = fake_model(model, mode, memo)
+    compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
+    if spec.compiled is not None:
+        spec.compiled.apply(fmodel)
     dims = spec.batch_dims
     fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None, dims), k, dims)
     batch_symbols = _batch_symbols(fsample, dims)
@@ -244,13 +248,17 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
 
     real = real_tensors(micro, symbolic, k)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
+    # A compiled step runs without the torch-function modes (Dynamo would trace into them): the
+    # compiler decomposes what the substitutes stand for, and compiled.notes() says what is lost.
     substitutions = (
-        Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) else contextlib.nullcontext()
+        Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) and spec.compiled is None
+        else contextlib.nullcontext()
     )
     # The fake tensors are CPU tensors, so torch.autocast("cpu") applies the CPU op lists: the
     # CUDA target's capture runs with CUDA's autocast policies instead (innermost: it casts the
     # arguments of substituted functions before the substitutes see them).
-    amp_policy = cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp else contextlib.nullcontext()
+    amp_policy = (cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp and spec.compiled is None
+                  else contextlib.nullcontext())
 
     # Not only Strategy(checkpoint=): a model's own checkpointing (transformers'
     # activation_checkpointing_enable) and user code save the RNG state the same way.
@@ -258,7 +266,10 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
     user = spec.step is not None
     lengths = generation.symbolic_lengths() if spec.mode is Mode.GENERATE else contextlib.nullcontext()
-    with _errors_named(symbolic), mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec), lengths:
+    runtime = compiled.fake_runtime(spec.compiled) if spec.compiled is not None else contextlib.nullcontext({})
+    module_hooks = _module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
+    with _errors_named(symbolic), runtime as regions, mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec), \
+            lengths:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
@@ -273,7 +284,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         phases = _phases(tracker, fmodel) if user else contextlib.nullcontext()
         dd.new_step()
         decoding = _decoding(tracker, fmodel) if spec.mode is Mode.GENERATE else contextlib.nullcontext({})
-        with tracker, _module_hooks(tracker), _grad_order(fmodel) as grad_order, real.track(tracker), phases, \
+        with tracker, module_hooks, _grad_order(fmodel) as grad_order, real.track(tracker), phases, \
                 _run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks, decoding as decoded:
             result = run_step(_on_phase(tracker, fmodel))
         tracker.flush()
@@ -298,6 +309,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
+    if spec.compiled is not None:
+        notes += compiled.regions_note(regions)
     if not symbolic:
         storages = {sid: _with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra))) for sid, s in tracker.storages.items()}
         for op in tracker.ops:
@@ -537,14 +550,24 @@ def _run_marks(tracker: Tracker, model: nn.Module, optimizers: list, watch_model
             starts.setdefault(index[id(optimizer)], len(tracker.ops))
 
     handles = [torch_optimizer.register_optimizer_step_pre_hook(step_started)]
-    if watch_model:
+    compiled_call = getattr(model, "_compiled_call_impl", None)
+    if watch_model and compiled_call is None:
         handles.append(model.register_forward_hook(lambda *_: returns.append(len(tracker.ops))))
+    elif watch_model:  # a forward hook would run inside the compiled region, traced: its len() frozen there
+        def call(*args, **kwargs):
+            out = compiled_call(*args, **kwargs)
+            returns.append(len(tracker.ops))
+            return out
+
+        model._compiled_call_impl = call
     found: dict[str, RunMarks] = {}
     try:
         yield found
     finally:
         for handle in handles:
             handle.remove()
+        if watch_model and compiled_call is not None:
+            model._compiled_call_impl = compiled_call
     found["marks"] = RunMarks(tuple(starts.get(i) for i in range(len(optimizers))), returns[0] if returns else None)
 
 

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
+from estimator.capture import compiled
 from estimator.capture.graph import GraphRecorder
 from estimator.categories import Born, Category, Phase
 from estimator.symbolic import as_expr
@@ -61,6 +62,8 @@ def _storage_id(storage: torch.UntypedStorage) -> int:
 
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
+
+    ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
     def __init__(self, module_names: dict[int, str], spec: TargetSpec | None = None):
         super().__init__()

@@ -379,7 +379,6 @@ _IGNORE_INDEX = -100  # the label transformers' losses skip (and Trainer does no
 # or do not change one training step's memory (logging, saving, evaluation, the hub, seeds).
 _UNMODELLED_ARGS = {
     "label_smoothing_factor": "Trainer's LabelSmoother computes the loss outside the model",
-    "torch_compile": "compiled steps (fused kernels, CUDA graphs) are not modelled",
     "use_liger_kernel": "Liger's fused kernels replace the model's modules",
     "neftune_noise_alpha": "NEFTune's embedding-noise hook",
     "torch_empty_cache_steps": "empty_cache() inside the step changes what the allocator reserves",
@@ -759,6 +758,8 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
     - ``optim``: one of ``MODELLED_OPTIMS`` (``adamw_8bit``: bitsandbytes installed, CUDA target);
     - ``max_grad_norm``, ``logging_nan_inf_filter``, ``use_cache`` (Trainer sets the model's
       ``config.use_cache`` to it);
+    - ``torch_compile`` (``torch_compile_mode``; Inductor): ``Strategy(compile=)``, the model
+      estimated as compiled;
     - ``fsdp`` (FSDP2 ``fully_shard`` of the model's blocks: ``reshard_after_forward`` True, or
       the legacy ``"full_shard"`` -> ZeRO-3, False or ``"shard_grad_op"`` -> ZeRO-2, over
       ``world_size`` devices), and DDP when ``world_size`` > 1: ``strategy``.  DeepSpeed, FSDP1,
@@ -799,12 +800,25 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
             raise InputError("TrainingArguments activation_checkpointing_kwargs={'offload': True}: not modelled by "
                              "fxmem (the saved activations in pinned host memory)")
         checkpointing.pop("offload", None)
-    strategy = Strategy(accumulate=args.gradient_accumulation_steps, **_parallelism(args, world_size, amp))
+    strategy = Strategy(accumulate=args.gradient_accumulation_steps, compile=_compile(args),
+                        **_parallelism(args, world_size, amp))
     return TrainerSettings(
         micro_batch=args.per_device_train_batch_size, accumulate=args.gradient_accumulation_steps,
         max_grad_norm=args.max_grad_norm, amp=amp, grad_scaler=amp == "fp16", checkpointing=checkpointing,
         optim=optim, use_cache=bool(args.use_cache), nan_inf_filter=bool(args.logging_nan_inf_filter),
         strategy=strategy, notes=tuple(notes))
+
+
+def _compile(args: Any) -> bool | str:
+    """``torch_compile``: accelerate compiles the whole model, ``torch.compile(model, backend=,
+    mode=)`` (``TorchDynamoPlugin``); Inductor only (the other backends' programs are not read)."""
+    if not getattr(args, "torch_compile", False):
+        return False
+    backend = getattr(args, "torch_compile_backend", None) or "inductor"
+    if backend != "inductor":
+        raise InputError(f"TrainingArguments torch_compile_backend={backend!r}: not modelled by fxmem (it models "
+                         "Inductor's programs: leave the backend at 'inductor')")
+    return getattr(args, "torch_compile_mode", None) or True
 
 
 def _parallelism(args: Any, world_size: int, amp: str | None) -> dict[str, Any]:

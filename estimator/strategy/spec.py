@@ -61,6 +61,7 @@ class Schedule(str, enum.Enum):
 
 
 ModuleSelection = tuple[str, ...] | str | type | None
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile(mode=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ class Strategy:
     Pipeline over ``pipeline`` stages: the blocks are cut into contiguous stages
     (``split_points``: the block paths where stages 2.. start; default: balanced by memory),
     the batch ``b`` into ``microbatches`` (default: ``pipeline``) run by ``schedule``.
+
+    ``compile``: the model ``torch.compile``d (True, or a mode name), as ``report(compile=)``.
     """
 
     accumulate: int = 1
@@ -100,8 +103,12 @@ class Strategy:
     microbatches: int | None = None
     schedule: Schedule | str = Schedule.ONE_F_ONE_B
     split_points: tuple[str, ...] | None = None
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
+            raise InputError(f"Strategy(compile=) must be True, False or a torch.compile mode "
+                             f"({', '.join(COMPILE_MODES)}), got {self.compile!r}")
         for name in ("accumulate", "data_parallel", "pipeline"):
             _positive_int(self, name)
         if self.microbatches is not None:
@@ -196,6 +203,8 @@ class Strategy:
             parts.append(f"checkpoint {what}" + (" (reentrant)" if self.checkpoint_reentrant else ""))
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
+        if self.compile:
+            parts.append("compiled" + (f" ({self.compile})" if isinstance(self.compile, str) else ""))
         return " + ".join(parts) or "single device"
 
     def checkpointed(self, model: nn.Module) -> list[tuple[str, nn.Module]]:

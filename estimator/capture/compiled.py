@@ -1,0 +1,274 @@
+"""A ``torch.compile``'d step, run on fake tensors: the program the compiler really builds.
+
+The capture compiles the fake copy of the model with the user's backend and options, and runs
+it: Dynamo traces the forward (graph breaks and all, the eager pieces between compiled regions
+run eagerly), AOTAutograd partitions forward and backward (its partitioner decides what is
+saved and what is recomputed), and Inductor lowers, fuses and schedules each graph and writes
+its wrapper: Python code that allocates every buffer (``empty_strided_cpu``), calls the kernels,
+and frees each buffer at its last use (``del buf3``) or hands it to a later one
+(``buf7 = buf3; del buf3  # reuse``).  All of that is compile-time work on fake tensors already
+(``torch/_inductor/compile_fx.py``); only the generated kernels need real data.
+
+So the generated wrapper runs as is, with three things swapped as its module is loaded
+(``_load_fake``, patched over ``PyCodeCache.load_by_key_path``): the kernels Inductor would
+compile (C++ through gcc, Triton) are no-ops and are never compiled; the buffer allocators
+``empty_strided_*`` (C++ functions that bypass the dispatcher, ``torch/csrc/dynamo/guards.cpp``)
+become ``torch.empty_strided``, which the fake mode and the tracker see; ``reinterpret_tensor``
+becomes the ``as_strided`` view it is.  Extern kernels (``extern_kernels.mm(..., out=buf)``,
+aten fallbacks) run on the fake tensors as in eager.  The tracker then sees every allocation and
+free of the compiled program, with Python's own lifetimes.
+
+Each capture compiles afresh: Dynamo's caches are reset before and after it
+(``torch._dynamo.reset()``: what it remembers of earlier frames, the sizes it saw, would steer
+the compile, and the fake copies must not stay in it; functions the user compiled in the same
+process compile again at their next call).  While capturing, ``automatic_dynamic_shapes`` is
+off unless the user's ``dynamic=`` says otherwise (a loop at one batch size compiles once, for
+that size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from estimator.errors import InputError
+from estimator.strategy.spec import COMPILE_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """How the step's model is compiled: ``torch.compile``'s arguments (the backend by name or
+    object, ``mode``, ``options``, ``dynamic``, ``fullgraph``)."""
+
+    backend: Any = "inductor"
+    mode: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # torch.compile(options=) as (key, value) pairs: hashable
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.options, Mapping):
+            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+        elif self.options is None:
+            object.__setattr__(self, "options", ())
+        if self.mode == "default":
+            object.__setattr__(self, "mode", None)
+
+    def apply(self, module: nn.Module) -> None:
+        """Compile ``module``'s calls in place (``nn.Module.compile``: its names stay its own)."""
+        kwargs = {"mode": self.mode} if self.mode is not None else {}
+        if self.options:
+            kwargs["options"] = dict(self.options)
+        module.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **kwargs)
+
+    @property
+    def autotuned(self) -> bool:
+        config = dict(getattr(self.backend, "config", None) or {}) | dict(self.options)
+        return bool(config.get("max_autotune")) or "autotune" in (self.mode or "")
+
+    @property
+    def label(self) -> str:
+        backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__",
+                                                                              type(self.backend).__name__)
+        parts = [f"backend={backend}"] + ([f"mode={self.mode}"] if self.mode else [])
+        parts += [f"dynamic={self.dynamic}"] if self.dynamic is not None else []
+        parts += [f"options={dict(self.options)}"] if self.options else []
+        return ", ".join(parts)
+
+
+def of(model: nn.Module) -> tuple[nn.Module, Compiled | None]:
+    """The module a ``torch.compile`` of ``model`` compiles, and how (None: not compiled): an
+    ``OptimizedModule`` (``torch.compile(model)``) or a module whose ``compile()`` was called.
+    ``Compiled`` keeps the backend object itself (it carries ``mode`` and ``options``)."""
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        ctx, module = model.dynamo_ctx, model._orig_mod
+    elif getattr(model, "_compiled_call_impl", None) is not None:
+        cells = [c.cell_contents for c in model._compiled_call_impl.__closure__ or ()]
+        ctx, module = next((c for c in cells if hasattr(c, "callback") and hasattr(c, "_dynamic")), None), model
+    else:
+        return model, None
+    if ctx is None:
+        return module, Compiled()
+    backend = ctx.callback
+    while hasattr(backend, "_torchdynamo_orig_backend"):  # ConvertFrame -> WrapBackendDebug -> the backend
+        backend = backend._torchdynamo_orig_backend
+    return module, Compiled(backend=backend, dynamic=ctx._dynamic, fullgraph=bool(ctx.fullgraph))
+
+
+def eager(model: nn.Module) -> None:
+    """Undo the compilation a deep copy of a compiled module carries over (its compiled call and
+    an ``OptimizedModule``'s ``forward`` are bound to the user's module, not the copy)."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+        if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module.forward = module._orig_mod.__call__
+
+
+def spec_of(compile: Any) -> Compiled | None:
+    """``report(compile=...)``: False/None (eager), True (``torch.compile``'s defaults), a mode
+    name, a mapping of ``torch.compile`` keyword arguments, or a ``Compiled``."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return Compiled()
+    if isinstance(compile, Compiled):
+        return compile
+    if isinstance(compile, str) and compile not in COMPILE_MODES:
+        raise InputError(f"compile={compile!r} is not a torch.compile mode: {', '.join(COMPILE_MODES)}")
+    if isinstance(compile, str):
+        return Compiled(mode=compile)
+    if isinstance(compile, Mapping):
+        unknown = set(compile) - {f.name for f in dataclasses.fields(Compiled)}
+        if unknown:
+            raise InputError(f"compile= names {', '.join(sorted(unknown))}: torch.compile's arguments fxmem takes "
+                             "are backend, mode, options, dynamic, fullgraph")
+        return Compiled(**compile)
+    raise InputError(f"compile must be True, a torch.compile mode name, or a dict of torch.compile's arguments; "
+                     f"got {type(compile).__name__}")
+
+
+_running = [0]  # fake_runtime()s entered and not left
+
+
+def transparent() -> bool:
+    """``TorchDispatchMode.ignore_compile_internals`` of fxmem's modes: while a compiled step is
+    captured, Dynamo compiles under them (they are off while it compiles, on while the compiled
+    program runs); otherwise Dynamo sees a mode it does not know and runs the code eagerly, as
+    torch does under any user's dispatch mode."""
+    return _running[0] > 0
+
+
+def notes(spec) -> tuple[str, ...]:
+    """What a compiled capture (``spec``: a ``StepSpec``) does not model, and how large it can be."""
+    found = ["inside the compiled regions ops belong to no module (the compiler fuses across modules): the module "
+             "rows count what eager code between them allocates"]
+    if spec.target.is_cuda:
+        found.append("the compiled program is Inductor's CPU program (C++ kernels, the capture's fake tensors are CPU "
+                     "tensors): on a GPU Inductor writes Triton kernels, whose fusion, and so which intermediates "
+                     "exist, can differ; that cannot be compiled without a GPU. The buffers of its plan are sized and "
+                     "rounded by the CUDA allocator as eager ones are")
+        if spec.precision.amp:
+            found.append("autocast inside the compiled region follows the CPU's autocast op lists, not CUDA's: ops "
+                         "CUDA runs in low precision may be counted in fp32 (an over-estimate)")
+        if spec.compiled.mode == "reduce-overhead" or dict(spec.compiled.options).get("triton.cudagraphs"):
+            found.append("CUDA graphs (mode='reduce-overhead') are not modelled: their private memory pool keeps the "
+                         "graph's inputs, outputs and intermediates alive between replays, up to the compiled "
+                         "region's own peak on top of the estimate")
+    if spec.compiled.autotuned:
+        found.append("max-autotune: autotuning picks among kernel choices by timing them on real "
+                     "data, which fxmem does not run: the capture takes the choice of a run whose kernels take no "
+                     "time, so a choice with a workspace (a C++ GEMM template) may differ from the real run's")
+    return tuple(found)
+
+
+def regions_note(found: dict[str, Any]) -> tuple[str, ...]:
+    """What Dynamo made of the step (``fake_runtime``'s dict): its graphs and graph breaks."""
+    graphs, breaks = found.get("graphs", 0), found.get("breaks", [])
+    if not graphs:
+        return ("torch.compile compiled no graph of this step: it ran eager (Dynamo skipped its frames)",)
+    shown = "; ".join(breaks[:3]) + (f"; and {len(breaks) - 3} more" if len(breaks) > 3 else "")
+    return (f"Dynamo compiled {graphs} graph(s)" + (f", with graph breaks ({shown}): the code between them ran "
+                                                    "eager" if breaks else ", no graph break"),)
+
+
+def _no_kernel(*args, **kwargs) -> None:
+    """A generated kernel: it only writes into buffers the wrapper allocated."""
+
+
+class _NoKernels:
+    """``AsyncCompile``'s compilers, answering a no-op for every kernel (nothing is compiled)."""
+
+    def cpp_pybinding(self, argtypes, source_code):
+        return _no_kernel
+
+    def cpp(self, source_code):
+        return _no_kernel
+
+    def triton(self, kernel_name, source_code, *args, **kwargs):
+        return _no_kernel
+
+
+def _empty_strided(size, stride, dtype, *args, **kwargs) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret_tensor(t: torch.Tensor, size, stride, offset=0) -> torch.Tensor:
+    return torch.as_strided(t, size, stride, t.storage_offset() + offset)
+
+
+def _unchecked(*args, **kwargs) -> None:
+    """``assert_size_stride`` / ``assert_alignment``: checks of real buffers."""
+
+
+_RUNTIME = {
+    "empty_strided_cpu": _empty_strided,
+    "empty_strided_cuda": _empty_strided,
+    "empty_strided_cpu_pinned": _empty_strided,
+    "reinterpret_tensor": _reinterpret_tensor,
+    "assert_size_stride": _unchecked,
+    "assert_alignment": _unchecked,
+}
+
+
+def _load_fake(cls, key, path, linemap=None, attrs=None, *, set_sys_modules=None) -> types.ModuleType:
+    """``PyCodeCache.load_by_key_path`` for a fake run: a fresh module (never Inductor's cached
+    one, which real runs use), its kernels no-ops, its allocators dispatched (module docstring)."""
+    from torch._inductor import async_compile
+
+    module = types.ModuleType(f"fxmem_compiled_{key}")
+    module.__file__ = path
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    saved = {name: getattr(async_compile.AsyncCompile, name) for name in ("cpp_pybinding", "cpp", "triton")}
+    try:
+        for name in saved:
+            setattr(async_compile.AsyncCompile, name, getattr(_NoKernels, name))
+        exec(code, module.__dict__)
+    finally:
+        for name, fn in saved.items():
+            setattr(async_compile.AsyncCompile, name, fn)
+    module.__dict__.update(_RUNTIME)
+    for name, value in (attrs or {}).items():
+        setattr(module, name, value)
+    return module
+
+
+@contextlib.contextmanager
+def fake_runtime(spec: Compiled):
+    """While capturing a compiled step: Inductor's wrappers load as ``_load_fake`` does, every
+    capture compiles for itself, and shapes are static unless ``spec.dynamic`` says otherwise.
+    Yields a dict that holds, once the block is over, the graphs Dynamo compiled (``graphs``)
+    and the first line of each graph break's reason (``breaks``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
+
+    dynamo = torch._dynamo.config.patch(
+        recompile_limit=10**6, accumulated_recompile_limit=10**6,
+        automatic_dynamic_shapes=bool(spec.dynamic) if spec.dynamic is not None else False,
+    )
+    quiet = inductor_config.patch(autotune_num_choices_displayed=0)  # autotuning writes its timings to stderr
+
+    original = codecache.PyCodeCache.__dict__["load_by_key_path"]
+    codecache.PyCodeCache.load_by_key_path = classmethod(_load_fake)
+    _running[0] += 1
+    torch._dynamo.reset()  # what Dynamo remembers of earlier frames (sizes seen, graphs) would steer this one
+    counters.clear()
+    found: dict[str, Any] = {}
+    try:
+        with dynamo, quiet:
+            yield found
+        found["graphs"] = counters["stats"]["unique_graphs"]
+        found["breaks"] = [reason.split("\n")[0] for reason in counters["graph_break"]]
+    finally:
+        torch._dynamo.reset()  # nothing of the fake copies stays in Dynamo's caches
+        _running[0] -= 1
+        codecache.PyCodeCache.load_by_key_path = original
