@@ -48,7 +48,7 @@ print(json.dumps({"import_and_build_s": t1 - t0, "estimate_s": t2 - t1, "peak_by
 """
 
 
-# compare over the default eight strategies (4 devices) against one report, same model, one process
+# compare over the default strategies (4 devices; nine since the compiled row) against one report, same model, one process
 _COMPARE_CHILD = """
 import json, sys, time
 import estimator, models_zoo

@@ -255,7 +255,8 @@ def fake_runtime(spec: Compiled):
         recompile_limit=10**6, accumulated_recompile_limit=10**6,
         automatic_dynamic_shapes=bool(spec.dynamic) if spec.dynamic is not None else False,
     )
-    quiet = inductor_config.patch(autotune_num_choices_displayed=0)  # autotuning writes its timings to stderr
+    # autotuning writes its timings to stderr; one compile thread: no worker pool (nothing is compiled)
+    quiet = inductor_config.patch(autotune_num_choices_displayed=0, compile_threads=1)
 
     original = codecache.PyCodeCache.__dict__["load_by_key_path"]
     codecache.PyCodeCache.load_by_key_path = classmethod(_load_fake)
