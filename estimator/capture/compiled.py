@@ -120,9 +120,9 @@ def spec_of(compile: Any) -> Compiled | None:
         return Compiled()
     if isinstance(compile, Compiled):
         return compile
-    if isinstance(compile, str) and compile not in COMPILE_MODES:
-        raise InputError(f"compile={compile!r} is not a torch.compile mode: {', '.join(COMPILE_MODES)}")
     if isinstance(compile, str):
+        if compile not in COMPILE_MODES:
+            raise InputError(f"compile={compile!r} is not a torch.compile mode: {', '.join(COMPILE_MODES)}")
         return Compiled(mode=compile)
     if isinstance(compile, Mapping):
         unknown = set(compile) - {f.name for f in dataclasses.fields(Compiled)}
