@@ -1,5 +1,3 @@
-import sys
+from estimator.cli import entry
 
-from estimator.cli import main
-
-sys.exit(main())
+entry()

@@ -9,6 +9,7 @@ op ``i + 1``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,8 +86,12 @@ class Timeline:
 
     def candidates(self) -> list[tuple[Poly, tuple[int, int]]]:
         """Every candidate peak with its (op index, scratch index); the baseline if no op ran."""
-        found = [(poly, (i, k)) for i, op in enumerate(self.ops) for k, poly in enumerate(op.peaks())]
-        return found or [(_sum(self.baseline), (-1, 0))]
+        return list(self._candidates)
+
+    @functools.cached_property
+    def _candidates(self) -> tuple[tuple[Poly, tuple[int, int]], ...]:  # a report asks several times
+        found = tuple((poly, (i, k)) for i, op in enumerate(self.ops) for k, poly in enumerate(op.peaks()))
+        return found or ((_sum(self.baseline), (-1, 0)),)
 
     def prefix(self, cut: int) -> Timeline:
         """The first ``cut`` ops, what they made and is alive after them freed there: a run that

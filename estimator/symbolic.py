@@ -121,9 +121,7 @@ class Poly:
 
     @property
     def expr(self) -> sympy.Expr:
-        terms = [sympy.Integer(c) * B**i for i, c in enumerate(self.coeffs)]
-        terms += [sympy.Integer(c) * B**i * S**j for i, j, c in self.mixed]
-        return sum(terms, sympy.Integer(0))
+        return _expr(self)
 
     def dominates(self, other: Poly) -> bool:
         """True when ``self >= other`` for every ``b, s >= 0`` coefficient by coefficient."""
@@ -180,6 +178,23 @@ def _merge(a, b) -> tuple[tuple[int, int, int], ...]:
 
 def _make(coeffs: tuple[int, ...], mixed) -> Poly:
     return Poly(_trim(coeffs).coeffs, tuple(t for t in mixed if t[2]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expr(p: Poly) -> sympy.Expr:
+    """``p`` as sympy builds it: the terms in ``b`` alone are built in their canonical form
+    directly (``Mul(c, b**i, evaluate=False)``, the number first, a coefficient of 1 left out),
+    five times cheaper than letting sympy evaluate each product (the annotated graph has one
+    expression per op); terms in ``s`` are multiplied out (sympy orders their factors)."""
+    terms = []
+    for i, c in enumerate(p.coeffs):
+        power = B**i if i else None
+        if c and power is None:
+            terms.append(sympy.Integer(c))
+        elif c:
+            terms.append(power if c == 1 else sympy.Mul(sympy.Integer(c), power, evaluate=False))
+    terms += [sympy.Integer(c) * B**i * S**j for i, j, c in p.mixed]
+    return sympy.Add(*terms)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -37,35 +37,28 @@ and make(cfg) -> (model, make_sample, loss_fn), so custom configs work too:
 """
 
 import difflib
+import importlib
+from types import ModuleType
 
 import torch
 
-from models_zoo import (bert, convnets, custom_op, encoder_padding, gpt, llama, lora, lstm_lm, masked_lm, mha_padding,
-                        mixtral, mlp, moe, resnet, rnn, spec_augment, tied_autoencoder, unet, vit)
-
 __all__ = ["data_dependent", "get", "names", "sizes"]
 
-_REGISTRY = {
-    "mlp": mlp,
-    "resnet": resnet,
-    "unet": unet,
-    "vit": vit,
-    "gpt": gpt,
-    "bert": bert,
-    "rnn": rnn,
-    "lstm_lm": lstm_lm,
-    "lora": lora,
-    "tied_autoencoder": tied_autoencoder,
-    "llama": llama,
-    "convnets": convnets,
-    "custom_op": custom_op,
-    "moe": moe,
-    "mixtral": mixtral,
-    "masked_lm": masked_lm,
-    "spec_augment": spec_augment,
-    "mha_padding": mha_padding,
-    "encoder_padding": encoder_padding,
-}
+# Name -> the submodule that builds it, imported on first use (``_module``): importing every model
+# (transformers' Mixtral, a custom op's registration) would cost a command line that builds one
+# model a second or more.
+_NAMES = ("mlp", "resnet", "unet", "vit", "gpt", "bert", "rnn", "lstm_lm", "lora", "tied_autoencoder", "llama",
+          "convnets", "custom_op", "moe", "mixtral", "masked_lm", "spec_augment", "mha_padding", "encoder_padding")
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"models_zoo.{name}")
+
+
+def __getattr__(attr: str) -> ModuleType:  # models_zoo.gpt.make(...) works without importing models_zoo.gpt first
+    if attr in _NAMES:
+        return _module(attr)
+    raise AttributeError(f"module 'models_zoo' has no attribute {attr!r}")
 
 
 def _unknown(what: str, valid: list[str], value) -> ValueError:
@@ -76,27 +69,27 @@ def _unknown(what: str, valid: list[str], value) -> ValueError:
 
 def names() -> list[str]:
     """Model names, in registry order."""
-    return list(_REGISTRY)
+    return list(_NAMES)
 
 
 def sizes(name: str) -> list[str]:
     """Size names for one model; "debug" is always first."""
-    if name not in _REGISTRY:
+    if name not in _NAMES:
         raise _unknown(f"model {name!r}", names(), name)
-    return list(_REGISTRY[name].SIZES)
+    return list(_module(name).SIZES)
 
 
 def data_dependent(name: str) -> str | None:
     """How fxmem's validation prices the model's data-dependent sizes (None: it has none)."""
     sizes(name)
-    return getattr(_REGISTRY[name], "DATA_DEPENDENT", None)
+    return getattr(_module(name), "DATA_DEPENDENT", None)
 
 
 def library(name: str) -> str | None:
     """The package whose code builds the model (its numbers follow that package's version: a
     model's forward can change between releases), or None for the zoo's own code."""
     sizes(name)
-    return getattr(_REGISTRY[name], "LIBRARY", None)
+    return getattr(_module(name), "LIBRARY", None)
 
 
 def get(name: str, size: str = "debug", device=None, dtype: torch.dtype | None = None):
@@ -111,7 +104,7 @@ def get(name: str, size: str = "debug", device=None, dtype: torch.dtype | None =
         raise _unknown(f"size {size!r} for model {name!r}", valid_sizes, size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    module = _REGISTRY[name]
+    module = _module(name)
     cfg = module.SIZES[size]
     if device is None:
         model, make_sample, loss_fn = module.make(cfg)

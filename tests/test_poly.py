@@ -1,9 +1,11 @@
 """Exact arithmetic of the symbolic layer: polynomials, the upper envelope, max batch."""
 
+import itertools
+
 import pytest
 import sympy
 
-from estimator.symbolic import B, NotPolynomial, Poly, fit, max_fitting, nondominated
+from estimator.symbolic import B, S, NotPolynomial, Poly, fit, max_fitting, nondominated
 
 
 def test_poly_arithmetic_and_expr():
@@ -12,6 +14,26 @@ def test_poly_arithmetic_and_expr():
     assert (p + Poly.const(48))(10) == 2048 + 48 + 640
     assert (p - p).coeffs == ()
     assert p.expr == 64 * B + 2048
+
+
+def _same_tree(a: sympy.Basic, b: sympy.Basic) -> bool:
+    return type(a) is type(b) and a == b and hash(a) == hash(b) and len(a.args) == len(b.args) and \
+        all(_same_tree(x, y) for x, y in zip(a.args, b.args))
+
+
+@pytest.mark.parametrize("coeffs, mixed", [
+    *itertools.product([(), (0,), (7,), (0, 1), (0, -1), (5, 1, 1), (-3, 0, 2), (2**40 + 3, -(2**33), 0, 9)],
+                       [(), ((0, 1, 1),), ((1, 1, -4), (2, 2, 3))]),
+])
+def test_expr_is_the_tree_sympy_builds(coeffs, mixed):
+    # Poly.expr builds sympy's canonical form directly: the same tree as multiplying out, so
+    # printing, hashing and substitution cannot tell the two apart.
+    p = Poly.of(sum((c * B**i for i, c in enumerate(coeffs)), sympy.Integer(0))
+                + sum((c * B**i * S**j for i, j, c in mixed), sympy.Integer(0)))
+    built = sum([sympy.Integer(c) * B**i for i, c in enumerate(p.coeffs)]
+                + [sympy.Integer(c) * B**i * S**j for i, j, c in p.mixed], sympy.Integer(0))
+    assert _same_tree(p.expr, built)
+    assert str(p.expr) == str(built) and sympy.srepr(p.expr) == sympy.srepr(built)
 
 
 def test_non_polynomial_rejected():

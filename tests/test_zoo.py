@@ -1,5 +1,7 @@
 """Tests for models_zoo: every model trains at debug size, real sizes match reference shapes."""
 
+import subprocess
+import sys
 import time
 from contextlib import nullcontext
 
@@ -136,6 +138,15 @@ def test_dtype_cast():
     loss_fn(call(model, sample), sample).backward()
     with pytest.raises(ValueError, match="dtype"):
         get("mlp", dtype=torch.int64)
+
+
+def test_models_are_imported_on_first_use():
+    # `fxmem report mlp` must not import the other 18 models (transformers' Mixtral, a custom op).
+    code = ("import sys, models_zoo; assert models_zoo.sizes('mlp'); "
+            "print(sorted(m for m in sys.modules if m.startswith('models_zoo.'))); "
+            "models_zoo.gpt.SIZES; print('models_zoo.gpt' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "['models_zoo._common', 'models_zoo.mlp']" and out[1] == "True"
 
 
 def test_bad_name_suggests():

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from estimator.symbolic import as_expr
@@ -51,14 +51,22 @@ class GraphRecorder:
         return node
 
     def _arg(self, x: Any) -> Any:
+        """``x`` with tensors as their nodes and symbolic sizes as sympy expressions (what
+        ``tree_map`` would give over an aten op's arguments: tensors, numbers and lists or tuples
+        of them, a ``torch.Size`` as a tuple; written out, as it runs for every op)."""
         if isinstance(x, torch.Tensor):
             return self._node(x)
+        if isinstance(x, (list, tuple)):
+            items = [self._arg(y) for y in x]
+            return items if isinstance(x, list) else tuple(items)
+        if isinstance(x, dict):
+            return {k: self._arg(v) for k, v in x.items()}
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return as_expr(x)
         return x
 
     def record(self, func, args, kwargs, out) -> fx.Node:
-        node = self.graph.call_function(func, tree_map(self._arg, args), tree_map(self._arg, kwargs))
+        node = self.graph.call_function(func, self._arg(tuple(args)), self._arg(dict(kwargs)))
         if isinstance(out, torch.Tensor):
             self._nodes[out] = node
             node.meta["tensor_meta"] = _metadata(out)

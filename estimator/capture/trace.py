@@ -788,9 +788,16 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
     seq_lo, seq_hi = _narrow(seq_lo, seq_hi, exprs, S)
     guards = tuple(dict.fromkeys(str(e) for e in exprs))
 
+    memo: dict[tuple[Any, bool], Poly] = {}  # storages share a few sizes: each is mapped once
+
     def to_poly(value, bound: bool = False) -> Poly:
         if isinstance(value, int):
             return Poly.const(value)
+        if (value, bound) not in memo:
+            memo[value, bound] = _to_poly(value, bound)
+        return memo[value, bound]
+
+    def _to_poly(value, bound: bool) -> Poly:
         expr = shape_env.replace(sympy.sympify(value)).xreplace(to_b)
         try:
             return Poly.of(expr)
@@ -812,8 +819,9 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
     }
     for op in tracker.ops:
         op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
+    in_graph = functools.lru_cache(maxsize=None)(lambda e: e.xreplace(to_b))
     for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
-        node.args, node.kwargs = tree_map_only(sympy.Basic, lambda e: e.xreplace(to_b), (node.args, node.kwargs))
+        node.args, node.kwargs = tree_map_only(sympy.Basic, in_graph, (node.args, node.kwargs))
     def in_b(expr):
         return sympy.expand(shape_env.replace(sympy.sympify(expr)).xreplace(to_b))
 

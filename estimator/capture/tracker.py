@@ -60,6 +60,14 @@ def _storage_id(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def _leaves(out) -> list:
+    """An op's outputs as ``tree_flatten`` lists them (a tensor, or tuples and lists of them),
+    written out: it runs for every op."""
+    if isinstance(out, (list, tuple)):
+        return [leaf for x in out for leaf in _leaves(x)]
+    return [out]
+
+
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
 
@@ -196,7 +204,7 @@ class Tracker(TorchDispatchMode):
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
         index = len(self.ops)
         self.ops.append(event)
-        leaves = tree_flatten(out)[0]
+        leaves = _leaves(out)
         outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         new = {}  # id of an output tensor whose storage this op allocated -> its key
         for i, t in enumerate(outputs):

@@ -363,8 +363,10 @@ _FIRST_MUL = "fxmem_pos_weight_mul"  # node metadata: the graph task whose pos_w
 
 def _in_bce_with_logits_backward(op, in_place):
     def kernel(*args, **kwargs):
+        if torch.is_grad_enabled():  # first: the cheapest test, and the forward's every sub and mul
+            return op(*args, **kwargs)
         node = torch._C._current_autograd_node()
-        if node is None or node.name() != _BCE_LOGITS_NODE or torch.is_grad_enabled():
+        if node is None or node.name() != _BCE_LOGITS_NODE:
             return op(*args, **kwargs)
         if op is aten.mul.Tensor and node._saved_pos_weight is not None:
             # The formula's first mul, once per run of the node (one per graph task), is
