@@ -74,8 +74,12 @@ class Poly:
     def __neg__(self) -> Poly:
         return Poly(tuple(-x for x in self.coeffs), tuple((i, j, -c) for i, j, c in self.mixed))
 
-    def __sub__(self, other: Poly) -> Poly:
-        return self + (-other)
+    def __sub__(self, other: Poly) -> Poly:  # self + (-other) in one pass (the strategies subtract per block)
+        a, c = self.coeffs, other.coeffs
+        coeffs = tuple((a[i] if i < len(a) else 0) - (c[i] if i < len(c) else 0) for i in range(max(len(a), len(c))))
+        if not self.mixed and not other.mixed:
+            return _trim(coeffs)
+        return _make(coeffs, _merge(self.mixed, tuple((i, j, -x) for i, j, x in other.mixed)))
 
     def __mul__(self, k: int) -> Poly:
         if not k:
