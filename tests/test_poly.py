@@ -37,7 +37,8 @@ def test_expr_is_the_tree_sympy_builds(coeffs, mixed):
 
 
 def test_subtraction_is_adding_the_negation():
-    polys = [Poly(), Poly((5,)), Poly((0, 3)), Poly((1, -2, 4)), Poly((7,), ((0, 1, 2),)), Poly((), ((0, 1, 2), (1, 1, -1)))]
+    polys = [Poly(), Poly((5,)), Poly((0, 3)), Poly((1, -2, 4)), Poly((7,), ((0, 1, 2),)),
+             Poly((), ((0, 1, 2), (1, 1, -1)))]
     for p, q in itertools.product(polys, repeat=2):
         assert p - q == p + (-q)
         assert (p - q) + q == p
