@@ -795,17 +795,20 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else EXIT_OK
 
 
+_CAPTURING = ("report", "formula", "fit", "compare", "plan")  # the commands that capture a step
+
+
 def entry() -> None:
     """The ``fxmem`` program (console script and ``python -m estimator``): ``main``, then exit.
 
     The objects that importing torch makes (millions, alive until the end) are kept out of the
-    garbage collector's passes: imported with the collector paused, then frozen (``gc.freeze``),
-    and everything is frozen again before exiting, where the interpreter's last collection would
-    walk them only for the process to end: about 1.3 s of ``fxmem report mlp --batch 8``
-    (3.7-4.0 s before, 2.3-2.6 s after, with the zoo's models imported on first use;
-    docs/benchmark.md).  The capture itself runs with the collector as it is (its thresholds
+    garbage collector's passes: for the commands that capture, imported with the collector
+    paused, then frozen (``gc.freeze``); everything is frozen again before exiting, where the
+    interpreter's last collection would walk them only for the process to end: about 1.3 s of
+    ``fxmem report mlp --batch 8`` (3.7-4.0 s before, 2.3-2.6 s after, with the zoo's models
+    imported on first use; docs/benchmark.md).  The capture itself runs with the collector as it is (its thresholds
     decide when cyclic garbage is freed)."""
-    if not {"-h", "--help", "--version"} & set(sys.argv[1:]) and len(sys.argv) > 1:
+    if sys.argv[1:2] and sys.argv[1] in _CAPTURING and not {"-h", "--help"} & set(sys.argv[2:]):
         gc.disable()
         try:
             _import_capture_stack()
@@ -825,7 +828,6 @@ def _import_capture_stack() -> None:
     import torch.export._trace  # noqa: F401
 
     import estimator.estimate  # noqa: F401
-    import estimator.planning  # noqa: F401
 
 
 if __name__ == "__main__":

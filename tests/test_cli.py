@@ -23,7 +23,7 @@ from click.testing import CliRunner
 import estimator
 import models_zoo
 from estimator import models
-from estimator.cli import cli
+from estimator.cli import _CAPTURING, cli
 from estimator.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +139,11 @@ def mlp_report():
 
 
 @uses("report")
+def test_every_command_but_models_preloads_the_capture_stack():
+    # estimator.cli.entry imports torch and Dynamo with the collector paused for these commands only
+    assert set(cli.commands) - {"models"} == set(_CAPTURING)
+
+
 def test_report_prints_the_table_and_progress(runs):
     run = ok(runs, "report")  # no --device, no --gpu: the default GPU, said in the first line
     lines = run.stdout.splitlines()
