@@ -806,8 +806,8 @@ def entry() -> None:
     paused, then frozen (``gc.freeze``); everything is frozen again before exiting, where the
     interpreter's last collection would walk them only for the process to end: about 1.3 s of
     ``fxmem report mlp --batch 8`` (3.7-4.0 s before, 2.3-2.6 s after, with the zoo's models
-    imported on first use; docs/benchmark.md).  The capture itself runs with the collector as it is (its thresholds
-    decide when cyclic garbage is freed)."""
+    imported on first use; docs/benchmark.md).  The capture itself runs with the collector as it
+    is (its thresholds decide when cyclic garbage is freed)."""
     if sys.argv[1:2] and sys.argv[1] in _CAPTURING and not {"-h", "--help"} & set(sys.argv[2:]):
         gc.disable()
         try:
