@@ -63,23 +63,22 @@ class Poly:
         return _from_expr(value)
 
     def __add__(self, other: Poly) -> Poly:
-        a, c = self.coeffs, other.coeffs
-        if len(a) < len(c):
-            a, c = c, a
-        coeffs = tuple(x + (c[i] if i < len(c) else 0) for i, x in enumerate(a))
-        if not self.mixed and not other.mixed:
-            return _trim(coeffs)
-        return _make(coeffs, _merge(self.mixed, other.mixed))
+        return self._plus(other, 1)
 
     def __neg__(self) -> Poly:
         return Poly(tuple(-x for x in self.coeffs), tuple((i, j, -c) for i, j, c in self.mixed))
 
     def __sub__(self, other: Poly) -> Poly:  # self + (-other) in one pass (the strategies subtract per block)
+        return self._plus(other, -1)
+
+    def _plus(self, other: Poly, sign: int) -> Poly:
+        """``self + sign * other`` (``sign`` is 1 or -1)."""
         a, c = self.coeffs, other.coeffs
-        coeffs = tuple((a[i] if i < len(a) else 0) - (c[i] if i < len(c) else 0) for i in range(max(len(a), len(c))))
+        n = max(len(a), len(c))
+        coeffs = tuple((a[i] if i < len(a) else 0) + sign * (c[i] if i < len(c) else 0) for i in range(n))
         if not self.mixed and not other.mixed:
             return _trim(coeffs)
-        return _make(coeffs, _merge(self.mixed, tuple((i, j, -x) for i, j, x in other.mixed)))
+        return _make(coeffs, _merge(self.mixed, tuple((i, j, sign * x) for i, j, x in other.mixed)))
 
     def __mul__(self, k: int) -> Poly:
         if not k:
@@ -192,11 +191,12 @@ def _expr(p: Poly) -> sympy.Expr:
     expression per op); terms in ``s`` are multiplied out (sympy orders their factors)."""
     terms = []
     for i, c in enumerate(p.coeffs):
-        power = B**i if i else None
-        if c and power is None:
+        if not c:
+            continue
+        if i == 0:
             terms.append(sympy.Integer(c))
-        elif c:
-            terms.append(power if c == 1 else sympy.Mul(sympy.Integer(c), power, evaluate=False))
+        else:
+            terms.append(B**i if c == 1 else sympy.Mul(sympy.Integer(c), B**i, evaluate=False))
     terms += [sympy.Integer(c) * B**i * S**j for i, j, c in p.mixed]
     return sympy.Add(*terms)
 

@@ -788,16 +788,10 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
     seq_lo, seq_hi = _narrow(seq_lo, seq_hi, exprs, S)
     guards = tuple(dict.fromkeys(str(e) for e in exprs))
 
-    memo: dict[tuple[Any, bool], Poly] = {}  # storages share a few sizes: each is mapped once
-
+    @functools.lru_cache(maxsize=None)  # storages share a few sizes: each is mapped once
     def to_poly(value, bound: bool = False) -> Poly:
         if isinstance(value, int):
             return Poly.const(value)
-        if (value, bound) not in memo:
-            memo[value, bound] = _to_poly(value, bound)
-        return memo[value, bound]
-
-    def _to_poly(value, bound: bool) -> Poly:
         expr = shape_env.replace(sympy.sympify(value)).xreplace(to_b)
         try:
             return Poly.of(expr)
