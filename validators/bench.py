@@ -84,20 +84,22 @@ print(json.dumps({"report_s": t1 - t0, "compare_s": t2 - t1, "strategies": [r.la
 COMPARE_CASE = ("gpt", "gpt2-small", 8)
 
 
+def _child(args: list[str], cache: str) -> dict:
+    """The JSON a fresh Python process (``python *args``) prints last, run on the kernel cache ``cache``."""
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True,
+                         env={**os.environ, "FXMEM_CACHE_DIR": cache})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_compare(name: str, size: str, batch: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="fxmem-bench-cache-") as cache:  # the first run on a machine
-        out = subprocess.run([sys.executable, "-c", _COMPARE_CHILD, name, size, str(batch)], capture_output=True,
-                             text=True, check=True, env={**os.environ, "FXMEM_CACHE_DIR": cache})
-    return json.loads(out.stdout.strip().splitlines()[-1]) | {"model": name, "size": size, "batch": batch}
+        return _child(["-c", _COMPARE_CHILD, name, size, str(batch)], cache) | {"model": name, "size": size,
+                                                                                 "batch": batch}
 
 
 def run_case(name: str, size: str, batch: int, mode: str, device: str, cache: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, name, size, str(batch), mode, device], capture_output=True, text=True,
-        check=True, env={**os.environ, "FXMEM_CACHE_DIR": cache},
-    )
     case = {"model": name, "size": size, "batch": batch, "mode": mode, "device": device}
-    return json.loads(out.stdout.strip().splitlines()[-1]) | case
+    return _child(["-c", _CHILD, name, size, str(batch), mode, device], cache) | case
 
 
 def run_cold_and_warm(*case) -> dict:
@@ -230,9 +232,7 @@ def speed_case(name: str) -> dict:
 
 def run_speed(name: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="fxmem-bench-cache-") as cache:  # the warm run fills it
-        out = subprocess.run([sys.executable, "-m", "validators.bench", "--speed", name], capture_output=True,
-                             text=True, check=True, env={**os.environ, "FXMEM_CACHE_DIR": cache})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        return _child(["-m", "validators.bench", "--speed", name], cache)
 
 
 COLD_COMMAND = ["report", "mlp", "--batch", "8"]

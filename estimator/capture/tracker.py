@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
 from estimator.capture import compiled
@@ -61,8 +60,8 @@ def _storage_id(storage: torch.UntypedStorage) -> int:
 
 
 def _leaves(out) -> list:
-    """An op's outputs as ``tree_flatten`` lists them (a tensor, or tuples and lists of them),
-    written out: it runs for every op."""
+    """An op's outputs or arguments as ``tree_flatten`` lists them (tensors, numbers, and tuples
+    and lists of them), written out: it runs for every op."""
     if isinstance(out, (list, tuple)):
         return [leaf for x in out for leaf in _leaves(x)]
     return [out]
@@ -235,7 +234,7 @@ class Tracker(TorchDispatchMode):
         of any other op to the one owner of its tensor arguments (none when they mix).  Returns
         the op's owner: that one owner (None for foreach ops and mixes)."""
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-        found = {self._owner(t) for t in tree_flatten(args)[0]} - {None}
+        found = {self._owner(t) for t in _leaves(args)} - {None}
         single = found.pop() if len(found) == 1 and not lists else None
         if lists and len(outputs) == len(lists[0]):
             owners = [self._owner(t) for t in lists[0]]
