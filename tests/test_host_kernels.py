@@ -16,6 +16,7 @@ import pytest
 import sympy
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 import estimator
 from estimator.target import cpu
@@ -53,6 +54,26 @@ def test_fit_is_linear_per_event_and_checked_at_a_third_size():
     # other events at one size: no formula either
     other = [events(2), events(3), cpu.Measured((80, 64, 100, -100, -64, 32, -80), (32,))]
     assert cpu.fit(call, sizes, other, fakes, m) is None
+
+
+def test_undominated_lines():
+    # 6m + 64 and 10m cross at m = 16: both kept; 5m + 10 is below 6m + 64 everywhere (m >= 2):
+    # dropped; 3 - 2m is never above 0 from m = 2 on: dropped; a repeated line is kept once;
+    # the constant 200 is above 6m + 64 at m = 2 but not beyond m = 22: all three kept
+    lines = [6 * m + 64, 10 * m, 5 * m + 10, 3 - 2 * m, 10 * m]
+    assert cpu._undominated(lines, m) == (6 * m + 64, 10 * m)
+    assert cpu._undominated([*lines, 200], m) == (6 * m + 64, 10 * m, 200)
+
+
+def test_argument_maps_as_pytree_gives_them():
+    # the calls' arguments are mapped at every size they are priced at: the written-out maps
+    # must give what tree_map / tree_flatten give (types kept: the cache key is their repr)
+    t = cpu.TensorArg((2 * m, 3), (3, 1), torch.float32)
+    cases = [(t, [1, 1], (0, 0), False, None), [t, (t, [m])], {"dim": [0, m], "out": t}, (), torch.Size([2, 3])]
+    double = lambda x: 2 * x if isinstance(x, (int, sympy.Expr)) else x  # noqa: E731
+    for args in cases:
+        assert repr(cpu._map(double, args)) == repr(tree_map(double, args))
+        assert cpu._leaves(args) == tree_flatten(args)[0]
 
 
 def test_output_larger_or_missing_in_the_real_kernel():

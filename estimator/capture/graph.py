@@ -17,6 +17,7 @@ import operator
 import re
 from typing import Any
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
@@ -82,3 +83,20 @@ class GraphRecorder:
     def finish(self, outputs: list[torch.Tensor]) -> fx.Graph:
         self.graph.output([self._node(t) for t in outputs])
         return self.graph
+
+
+def map_exprs(x: Any, fn) -> Any:
+    """A node's ``args`` or ``kwargs`` with ``fn`` applied to their sympy expressions (what
+    ``tree_map_only(sympy.Basic, fn, x)`` gives; ``x`` itself, unchanged, when it holds none)."""
+    if isinstance(x, sympy.Basic):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        items = [map_exprs(y, fn) for y in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        return items if isinstance(x, list) else tuple(items)
+    if isinstance(x, dict):
+        items = {k: map_exprs(v, fn) for k, v in x.items()}
+        return x if all(items[k] is v for k, v in x.items()) else items
+    return x
+

@@ -27,10 +27,11 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.optim import optimizer as torch_optimizer
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections, custom_ops, step
 from estimator.capture import compiled, datadep, generation
+from estimator.capture.graph import map_exprs
 from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
 from estimator.corrections.mode import Substitutions
@@ -815,7 +816,9 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
         op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
     in_graph = functools.lru_cache(maxsize=None)(lambda e: e.xreplace(to_b))
     for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
-        node.args, node.kwargs = tree_map_only(sympy.Basic, in_graph, (node.args, node.kwargs))
+        args, kwargs = map_exprs(node.args, in_graph), map_exprs(node.kwargs, in_graph)
+        if args is not node.args or kwargs is not node.kwargs:
+            node.args, node.kwargs = args, kwargs
     def in_b(expr):
         return sympy.expand(shape_env.replace(sympy.sympify(expr)).xreplace(to_b))
 

@@ -57,6 +57,28 @@ MAX_CALL_FLOPS = 8e9
 FIT_SIZES = (2, 3)  # the small batch sizes every symbolic capture's calls are measured at
 
 
+def _map(fn, x):
+    """``tree_map(fn, x)`` over an aten op's arguments (tuples, lists and dicts of leaves; a
+    ``torch.Size`` becomes a tuple, as there), written out: a capture's measured calls are mapped
+    at every batch size they are priced at."""
+    if type(x) is list:
+        return [_map(fn, y) for y in x]
+    if type(x) in (tuple, torch.Size):
+        return tuple(_map(fn, y) for y in x)
+    if type(x) is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(x) -> list:
+    """``tree_flatten(x)[0]`` over an aten op's arguments, written out (``_map``)."""
+    if type(x) in (tuple, list, torch.Size):
+        return [leaf for y in x for leaf in _leaves(y)]
+    if type(x) is dict:
+        return [leaf for y in x.values() for leaf in _leaves(y)]
+    return [x]
+
+
 @dataclass(frozen=True)
 class TensorArg:
     """A tensor argument: shape and strides (ints or sympy expressions in the capture's
@@ -86,7 +108,7 @@ class KernelCall:
                 return as_expr(x)
             return x
 
-        return KernelCall(func, tree_map(describe, tuple(args)), tree_map(describe, dict(kwargs)), op, tuple(outputs))
+        return KernelCall(func, _map(describe, tuple(args)), _map(describe, dict(kwargs)), op, tuple(outputs))
 
 
 @dataclass(frozen=True)
@@ -97,12 +119,12 @@ class Concrete:
     args: Any
     kwargs: Any
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return f"{self.func}|{self.args!r}|{sorted(self.kwargs.items())!r}"
 
     def nbytes(self) -> int:
-        leaves = tree_flatten((self.args, self.kwargs))[0]
+        leaves = _leaves((self.args, self.kwargs))
         return sum(_storage_numel(t.shape, t.stride) * t.dtype.itemsize for t in leaves if isinstance(t, TensorArg))
 
     def flops(self) -> int:
@@ -117,7 +139,7 @@ class Concrete:
                 return torch.empty_strided(x.shape, x.stride, dtype=x.dtype).zero_()
             return x
 
-        return tree_map(real, self.args), tree_map(real, self.kwargs)
+        return _map(real, self.args), _map(real, self.kwargs)
 
 
 _FLOPS: dict[str, int] = {}
@@ -151,7 +173,7 @@ def _flops(key: str, call: Concrete) -> int:
             return torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device="meta") if isinstance(x, TensorArg) else x
 
         with FlopCounterMode(display=False) as counter:
-            call.func(*tree_map(meta, call.args), **tree_map(meta, call.kwargs))
+            call.func(*_map(meta, call.args), **_map(meta, call.kwargs))
         _FLOPS[key] = counter.get_total_flops()
     return _FLOPS[key]
 
@@ -434,9 +456,8 @@ def fit(call: KernelCall, sizes: Sequence[int], measured: Sequence[Measured], fa
 
 def _undominated(lines: list, symbol) -> tuple:
     """Drop lines another one is above everywhere (b >= 2), and lines never above 0."""
-    def coeffs(e):
-        p = sympy.Poly(e, symbol)
-        return p.coeff_monomial(1), p.coeff_monomial(symbol)
+    def coeffs(e):  # e = a + c * symbol
+        return e.coeff(symbol, 0), e.coeff(symbol, 1)
 
     items = [(e, *coeffs(sympy.sympify(e))) for e in dict.fromkeys(lines)]
     keep = []
@@ -472,11 +493,18 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
     concrete = symbol is None
     top = max(batch, FIT_SIZES[-1] + 1)
 
-    def at(call: KernelCall, m: int) -> tuple[Concrete, dict[int, int]]:
+    @functools.cache
+    def at_index(i: int, m: int) -> tuple[Concrete, dict[int, int]]:
+        call = calls[i]
         to_int = functools.partial(_to_int, subs={} if concrete else values(m))
-        spec = Concrete(call.func, tree_map(lambda x: _concrete(x, to_int), call.args),
-                        tree_map(lambda x: _concrete(x, to_int), call.kwargs))
+        spec = Concrete(call.func, _map(lambda x: _concrete(x, to_int), call.args),
+                        _map(lambda x: _concrete(x, to_int), call.kwargs))
         return spec, {e[0]: to_int(e[1]) for e in call.outputs if e is not None}
+
+    index = {id(call): i for i, call in enumerate(calls)}
+
+    def at(call: KernelCall, m: int) -> tuple[Concrete, dict[int, int]]:  # each call at each size once
+        return at_index(index[id(call)], m)
 
     def plan(call: KernelCall) -> list[int]:
         if concrete:
@@ -516,7 +544,7 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
     first = sizes[0]
 
     def describe(call: KernelCall) -> str:  # at the smallest size measured: numbers, not symbols
-        shapes = [t.shape for t in tree_flatten(at(call, first)[0].args)[0] if isinstance(t, TensorArg)]
+        shapes = [t.shape for t in _leaves(at(call, first)[0].args) if isinstance(t, TensorArg)]
         return f"{call.func} on {shapes[0] if shapes else '()'} at b = {first}"
 
     return tuple(_notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed, describe))
