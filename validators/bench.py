@@ -217,15 +217,18 @@ def speed_case(name: str) -> dict:
 
     build, batch = SPEED_CASES[name]
     bare_s, _ = _median_time(_fake_step(build, batch, symbolic=False))
-    symbolic = _fake_step(build, batch, symbolic=True)
-    symbolic_s, _ = _median_time(symbolic)
+    # each symbolic run in a new ShapeEnv, as each capture is: the fake-tensor cache of symbolic
+    # shapes lives in the ShapeEnv (torch/_subclasses/fake_tensor.py ``_cached_dispatch_impl``)
+    fresh = [_fake_step(build, batch, symbolic=True) for _ in range(SPEED_REPEATS + 1)]
+    shape_env = fresh[0].shape_env
+    symbolic_s, _ = _median_time(lambda: fresh.pop()())  # each dropped once run (not left to the GC's walk)
     memtracker_s, memtracker_peak = _median_time(_fake_step(build, batch, symbolic=False, memtracker=True))
     model, make_sample, loss_fn = build("meta")
     sample = make_sample(batch)
     report_s, rep = _median_time(lambda: estimator.report(model, sample, batch=batch, optimizer="adamw",
                                                           loss_fn=loss_fn, device="cpu"))
     return {"case": name, "batch": batch, "bare_s": bare_s, "symbolic_s": symbolic_s,
-            "symbolic_specialized": _specialized(symbolic.shape_env), "memtracker_s": memtracker_s,
+            "symbolic_specialized": _specialized(shape_env), "memtracker_s": memtracker_s,
             "memtracker_peak": memtracker_peak, "report_s": report_s, "report_peak": rep.peak_bytes,
             "capture": rep.path.value, "formula": str(rep.peak), "ops": len(rep.timeline.ops)}
 
@@ -281,7 +284,9 @@ def to_markdown(results: list[dict], compare: dict | None = None, speed: list[di
             ("One train step (forward, loss, backward, AdamW step) per model, each figure the median of "
              f"{SPEED_REPEATS} warm runs in one process (`python -m validators.bench --speed NAME`): the bare step on "
              "fake tensors with nothing tracked (static shapes: the floor of any fake-execution estimator), the "
-             "same with the batch dim a symbol (`ShapeEnv`, the floor of a symbolic one), PyTorch's `MemTracker` "
+             "same with the batch dim a symbol (the floor of a symbolic one: each run in a new `ShapeEnv` with "
+             "a new fake model, its first step, as each capture starts: the fake-tensor cache of symbolic shapes "
+             "lives in the `ShapeEnv`), PyTorch's `MemTracker` "
              "inside `FakeTensorMode` (one batch size) and `estimator.report` (every batch size; CPU target, "
              "host kernels cached), as ratios to the bare step. HF GPT-2 is transformers' `GPT2LMHeadModel` "
              "(124M, 1024 tokens, its own loss). *specialized*: the batch symbol became a constant during that "

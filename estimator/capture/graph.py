@@ -99,4 +99,3 @@ def map_exprs(x: Any, fn) -> Any:
         items = {k: map_exprs(v, fn) for k, v in x.items()}
         return x if all(items[k] is v for k, v in x.items()) else items
     return x
-

@@ -31,9 +31,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections, custom_ops, step
 from estimator.capture import compiled, datadep, generation
-from estimator.capture.graph import map_exprs
 from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
+from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.categories import Birth, Born, Category, Mode, Phase

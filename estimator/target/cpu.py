@@ -493,18 +493,16 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
     concrete = symbol is None
     top = max(batch, FIT_SIZES[-1] + 1)
 
-    @functools.cache
-    def at_index(i: int, m: int) -> tuple[Concrete, dict[int, int]]:
-        call = calls[i]
-        to_int = functools.partial(_to_int, subs={} if concrete else values(m))
-        spec = Concrete(call.func, _map(lambda x: _concrete(x, to_int), call.args),
-                        _map(lambda x: _concrete(x, to_int), call.kwargs))
-        return spec, {e[0]: to_int(e[1]) for e in call.outputs if e is not None}
+    memo: dict[tuple[int, int], tuple[Concrete, dict[int, int]]] = {}  # (id(call), m) -> at(call, m)
 
-    index = {id(call): i for i, call in enumerate(calls)}
-
-    def at(call: KernelCall, m: int) -> tuple[Concrete, dict[int, int]]:  # each call at each size once
-        return at_index(index[id(call)], m)
+    def at(call: KernelCall, m: int) -> tuple[Concrete, dict[int, int]]:  # each call mapped at each size once
+        key = (id(call), m)
+        if key not in memo:
+            to_int = functools.partial(_to_int, subs={} if concrete else values(m))
+            spec = Concrete(call.func, _map(lambda x: _concrete(x, to_int), call.args),
+                            _map(lambda x: _concrete(x, to_int), call.kwargs))
+            memo[key] = spec, {e[0]: to_int(e[1]) for e in call.outputs if e is not None}
+        return memo[key]
 
     def plan(call: KernelCall) -> list[int]:
         if concrete:
