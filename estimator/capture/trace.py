@@ -819,6 +819,7 @@ def _to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: i
         args, kwargs = map_exprs(node.args, in_graph), map_exprs(node.kwargs, in_graph)
         if args is not node.args or kwargs is not node.kwargs:
             node.args, node.kwargs = args, kwargs
+
     def in_b(expr):
         return sympy.expand(shape_env.replace(sympy.sympify(expr)).xreplace(to_b))
 
