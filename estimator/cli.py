@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import click
 
+from estimator.capture import watchdog
+
 EXIT_OK, EXIT_INPUT, EXIT_CAPTURE, EXIT_INTERRUPTED = 0, 2, 3, 130
 MODES = ("train", "inference", "generate")
 DEVICES = ("cpu", "cuda")
@@ -809,9 +811,12 @@ def entry() -> None:
     imported on first use; docs/benchmark.md).  The capture itself runs with the collector as it
     is (its thresholds decide when cyclic garbage is freed)."""
     if sys.argv[1:2] and sys.argv[1] in _CAPTURING and not {"-h", "--help"} & set(sys.argv[2:]):
+        watchdog.guard_process(EXIT_CAPTURE)  # a capture stuck in C++ ends with exit 3, not never
         gc.disable()
         try:
             _import_capture_stack()
+        except KeyboardInterrupt:  # Ctrl-C while torch imports
+            sys.exit(EXIT_INTERRUPTED)
         finally:
             gc.freeze()
             gc.enable()

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from estimator.capture import compiled
+from estimator.capture import compiled, watchdog
 from estimator.errors import CaptureError, InputError
 from estimator.symbolic import as_expr
 
@@ -545,6 +545,7 @@ class Probe(TorchDispatchMode):
         self._seen = _PerStorage()  # masks already counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        watchdog.beat(func)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is aten._local_scalar_dense.default:

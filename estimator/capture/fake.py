@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator import step
 from estimator.categories import Category
-from estimator.capture import compiled
+from estimator.capture import compiled, watchdog
 from estimator.errors import CaptureError, InputError
 
 CPU = torch.device("cpu")
@@ -314,6 +314,7 @@ class RealTensors(TorchDispatchMode):
                 f"{_first(listed)}",)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        watchdog.beat(func)
         kwargs = kwargs or {}
         if (_has_real(args) or kwargs and _has_real(kwargs.values())) and func not in _LIFTS:
             args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))

@@ -36,6 +36,7 @@ from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model
 from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
+from estimator.capture.watchdog import Watchdog
 from estimator.categories import Birth, Born, Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
@@ -197,7 +198,7 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
                 fn(target, sample, state)
 
     try:
-        with _errors_named(False):
+        with Watchdog(), _errors_named(False):
             found = datadep.probe(target, sample, forward, grad=spec.step is not None)
     finally:
         model.train(training)
@@ -269,8 +270,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     lengths = generation.symbolic_lengths() if spec.mode is Mode.GENERATE else contextlib.nullcontext()
     runtime = compiled.fake_runtime(spec.compiled) if spec.compiled is not None else contextlib.nullcontext({})
     module_hooks = _module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
-    with _errors_named(symbolic), runtime as regions, mode, dd, substitutions, amp_policy, rng_states, _user_step_context(spec), \
-            lengths:
+    with Watchdog(), _errors_named(symbolic), runtime as regions, mode, dd, substitutions, amp_policy, rng_states, \
+            _user_step_context(spec), lengths:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
@@ -987,7 +988,7 @@ def _growth_note(model: nn.Module, run_step, mode: FakeTensorMode, real: RealTen
         return ()
     real.tracker = None  # the capture is over: tensors met now are not memory of the step
     try:
-        with mode, real:
+        with Watchdog(), mode, real:
             result = run_step()
             del result
     except Exception:  # the step cannot be repeated without the capture's modes: cannot tell

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator import corrections
-from estimator.capture import compiled
+from estimator.capture import compiled, watchdog
 from estimator.capture.graph import GraphRecorder
 from estimator.categories import Born, Category, Phase
 from estimator.symbolic import as_expr
@@ -65,6 +65,24 @@ def _leaves(out) -> list:
     if isinstance(out, (list, tuple)):
         return [leaf for x in out for leaf in _leaves(x)]
     return [out]
+
+
+_NOT_YET = object()
+
+
+def _holder(out: torch.Tensor):
+    """The autograd node that keeps the wrapped number saved for ``out`` (``x * 0.5``, ``h.mul_(0.5)``):
+    ``out.grad_fn`` (its ``_saved_other``); for an in-place op on a view, the ``CopySlices`` node
+    autograd puts on the view's base, which holds the op's node (``rebase_history`` in
+    torch/csrc/autograd/variable.cpp).  A view's own ``grad_fn`` is never read here: reading it
+    regenerates it under the view's mutex and replays the view through this mode, and a read
+    from inside that replay waits on the same mutex for ever.  ``_NOT_YET`` while the base's
+    history is being rebased (the replay itself); None when no node keeps it."""
+    if out._is_view():
+        node = out._base.grad_fn
+        return node if type(node).__name__ == "CopySlices" else _NOT_YET
+    node = out.grad_fn
+    return node if node is not None and hasattr(node, "_saved_other") else None
 
 
 class Tracker(TorchDispatchMode):
@@ -143,15 +161,19 @@ class Tracker(TorchDispatchMode):
                 node._saved_other
             except RuntimeError:  # released: "Trying to backward through the graph a second time"
                 node.metadata.pop("fxmem_saved_scalars", None)
+            except AttributeError:  # CopySlices: its inner node's saved variables go when it runs
+                node.metadata.pop("fxmem_saved_scalars", None)
         self._ran = []
-        for ref, number in self._saved:
+        saved, self._saved = self._saved, []
+        for ref, number in saved:
             out = ref()
-            node = None if out is None else out.grad_fn
-            if node is not None and hasattr(node, "_saved_other"):
+            node = None if out is None else _holder(out)
+            if node is _NOT_YET:
+                self._saved.append((ref, number))
+            elif node is not None:
                 if "fxmem_saved_scalars" not in node.metadata:
                     node.register_hook(lambda *_: self._ran.append(torch._C._current_autograd_node()))
                 node.metadata.setdefault("fxmem_saved_scalars", []).append(number)
-        self._saved = []
 
     def flush(self) -> None:
         """Attach frees seen since the last op to it (call when the step ends); frees before the
@@ -186,6 +208,7 @@ class Tracker(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        watchdog.beat(func)
         kernel = corrections.fake_kernel_for(self.target, func)
         out = (kernel or func)(*args, **kwargs)
         if func in _SKIP:
