@@ -36,6 +36,7 @@ _POLL = 0.5  # seconds between two looks at the beats
 _count = 0  # ops dispatched by the capture so far (any capture in this process)
 _last = "the start of the step"  # the last op dispatched, for the message
 _heart: int | None = None  # the pipe to the parent of guard_process, in the child
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def timeout() -> float:
@@ -125,10 +126,16 @@ def guard_process(exit_code: int = 3) -> None:
     if pid == 0:
         os.close(read)
         _heart = write
+        # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes it on
+        # once; and the child dies with the parent (Linux's PR_SET_PDEATHSIG).
+        os.setpgid(0, 0)
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         threading.Thread(target=_heartbeat, name="fxmem-heartbeat", daemon=True).start()
         return
     os.close(write)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child, which exits 130
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _frame: os.kill(pid, number))
     sys.exit(_supervise(pid, read, seconds, exit_code))
 
 
