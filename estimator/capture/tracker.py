@@ -9,6 +9,7 @@ by category is ``estimator.account``'s job.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator import corrections
 from estimator.capture import compiled, watchdog
+from estimator.capture.grad_sums import GradSums
 from estimator.capture.graph import GraphRecorder
 from estimator.categories import Born, Category, Phase
 from estimator.symbolic import as_expr
@@ -95,6 +97,7 @@ class Tracker(TorchDispatchMode):
         self.spec = spec or TargetSpec()
         self.target = self.spec.device
         self.storages: dict[int, Storage] = {}
+        self._keys = itertools.count()  # keys of self.storages (an in-place gradient sum drops one)
         self.ops: list[OpEvent] = []
         self.phase = Phase.FORWARD
         # Storage address -> (key in self.storages, weak reference).  Addresses are reused
@@ -110,6 +113,18 @@ class Tracker(TorchDispatchMode):
         self._saved: list[tuple[weakref.ref, torch.Tensor]] = []  # (output, wrapped number) to hand to its node
         self._ran: list = []  # autograd nodes holding wrapped numbers that backward just ran
         self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
+        self.sums = GradSums(self)
+
+    def __enter__(self):
+        self._engine = self.sums.engine()
+        self._engine.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._engine.__exit__(None, None, None)
 
     # -- state alive before the step -------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor], category: Category) -> None:
@@ -132,7 +147,7 @@ class Tracker(TorchDispatchMode):
         address = _storage_id(storage)
         if address in self._alive:
             return None
-        key = len(self.storages)
+        key = next(self._keys)
         self.storages[key] = Storage(as_expr(storage.nbytes()), category, op, as_expr(extra))
         self._alive[address] = (key, weakref.ref(storage, lambda _, a=address: self._free(a)))
         return key
@@ -141,6 +156,22 @@ class Tracker(TorchDispatchMode):
         entry = self._alive.pop(address, None)
         if entry is not None:
             self._pending_frees.append(entry[0])
+
+    def rename(self, new: int, old: int, since: int) -> None:
+        """Storage ``new``, made by op ``since``, is ``old`` itself (an in-place gradient sum,
+        ``GradSums``): its record goes, its free is ``old``'s."""
+        del self.storages[new]
+        for event in self.ops[since:]:
+            if new in event.frees:
+                event.frees[event.frees.index(new)] = old
+                return
+        if new in self._pending_frees:
+            self._pending_frees[self._pending_frees.index(new)] = old
+            return
+        for address, (key, ref) in self._alive.items():
+            if key == new:
+                self._alive[address] = (old, ref)
+                return
 
     def key_of(self, t: torch.Tensor) -> int | None:
         """The key of the tracked storage of ``t`` (None when not tracked)."""
@@ -238,6 +269,7 @@ class Tracker(TorchDispatchMode):
             number = torch.empty((), dtype=torch.float64)  # the wrapped Python number autograd keeps
             event.allocs.append(self._track(number.untyped_storage(), Category.TEMPORARY, index))
             self._saved.append((weakref.ref(outputs[0]), number))
+        self.sums.saw(func, args, kwargs, out, index, new)
         event.scratch = tuple(as_expr(x) for x in fix.scratch)
         if fix.measure:
             event.kernel = KernelCall.of(func, args, kwargs, index, [
