@@ -193,12 +193,20 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
     def fit_vector(vectors: Sequence[Vector]) -> Vector:
         return tuple(line([v[k] for v in vectors]) for k in range(len(CATEGORIES)))
 
+    def fit_scratch(i: int) -> tuple[Poly, ...]:
+        scratches = [t.ops[i].scratch for t in timelines]
+        if len({len(s) for s in scratches}) == 1:  # the same candidates at every size: one line each
+            return tuple(line([s[k] for s in scratches]) for k in range(len(scratches[0])))
+        # A kernel that keeps another number of buffers at another size (oneDNN picking another
+        # implementation): the line through its in-op peak, the largest candidate at each size.
+        return (line([max(s, key=lambda x: x(0), default=ZERO) for s in scratches]),)
+
     ops = tuple(
         OpMemory(
             op.index, op.op, op.node, op.phase, op.module,
             fit_vector([t.ops[i].live for t in timelines]),
             fit_vector([t.ops[i].allocated for t in timelines]),
-            tuple(line([t.ops[i].scratch[k] for t in timelines]) for k in range(len(op.scratch))),
+            fit_scratch(i),
         )
         for i, op in enumerate(first.ops)
     )

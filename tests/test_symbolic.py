@@ -248,3 +248,24 @@ def test_batch_one_zoo(name, mode):
     model2, make_sample2, loss_fn2 = models_zoo.get(name, "debug")
     measured = measure_cpu(model2, make_sample2(1), mode=mode, optimizer="adamw", loss_fn=loss_fn2).peak_bytes
     assert rep.peak_bytes == measured
+
+
+def test_fitted_scratch_with_another_number_of_buffers_at_another_size():
+    """A kernel that keeps two buffers at b = 2 and one at b = 3 and b = 8 (oneDNN picking another
+    implementation) is fitted by its in-op peak, the largest buffer at each size:
+    (2, 100) (3, 150) (8, 400) -> 50*b; same counts fit per candidate."""
+    from estimator.account import CATEGORIES, OpMemory, Timeline, fit_timelines
+    from estimator.categories import Phase
+    from estimator.symbolic import ZERO, Poly
+
+    none = (ZERO,) * len(CATEGORIES)
+
+    def timeline(*scratch):
+        op = OpMemory(0, "aten.convolution.default", None, Phase.FORWARD, "", none, none,
+                      tuple(Poly.const(s) for s in scratch))
+        return Timeline(none, (op,), ())
+
+    fitted = fit_timelines([2, 3, 8], [timeline(100, 60), timeline(150), timeline(400)])
+    assert fitted.ops[0].scratch == (Poly((0, 50)),)
+    fitted = fit_timelines([2, 3, 8], [timeline(100, 60), timeline(150, 70), timeline(400, 120)])
+    assert fitted.ops[0].scratch == (Poly((0, 50)), Poly((40, 10)))
