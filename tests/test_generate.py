@@ -170,3 +170,41 @@ def test_meta_weights(monkeypatch):
     monkeypatch.setattr(generation, "narrow_stand_in", lambda model: None)  # a config it cannot narrow
     with pytest.raises(CaptureError, match="--device-init cpu"):
         estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3, device="cpu")
+
+
+def _families():
+    """Tiny configs of the families whose generate() reads values only for several rows (the
+    right-padding check with a pad token set), seed 0."""
+    from estimator.integrations._common import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    import transformers as t
+
+    v = gen.VOCAB
+    gqa = dict(vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2)
+    return {
+        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**gqa, pad_token_id=0)),
+        "phi3": (t.Phi3ForCausalLM, t.Phi3Config(**gqa, pad_token_id=0)),
+        "gemma2": (t.Gemma2ForCausalLM, t.Gemma2Config(**gqa, head_dim=16)),
+        "opt": (t.OPTForCausalLM, t.OPTConfig(vocab_size=v, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                              num_attention_heads=4, word_embed_proj_dim=64)),
+        "falcon": (t.FalconForCausalLM, t.FalconConfig(vocab_size=v, hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4)),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "opt", "falcon"])
+def test_generate_at_batch_one_matches_the_measured_call(family):
+    """b = 1 is captured with b hinted at 2: the probe runs on the prompt twice, so the values a
+    two-row generate() reads exist; the report at b = 1 is a capture of b = 1 itself."""
+    cls, config = _families()[family]
+
+    def make():
+        torch.manual_seed(0)
+        return cls(config).eval()
+
+    sample = gen.make_sample(1, 8)
+    rep = estimator.report(make(), sample, mode="generate", new_tokens=4, device="cpu")
+    measured = measure_user_step(make(), sample, step.Generation(4, None), None, "generate")
+    assert rep.peak_bytes == measured.peak_bytes

@@ -131,24 +131,51 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
 def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
                     seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
     policy = spec.data_dependent
+    # A one-row sample is captured with b hinted at 2 (sizes 0 and 1 specialize): code that reads
+    # values only for several rows (generate()'s right-padding check) reads them in the capture,
+    # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
+    probe_sample = _with_rows(sample, batch, spec.batch_dims) if symbolic else sample
     if policy.needs_probe:
-        spec = dataclasses.replace(spec, data_dependent=_probed(model, sample, spec))
+        spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
     try:
         return _capture(model, sample, spec, batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:
-        where = _user_frame(exc)
-        what = f"{exc}{f' (at {where})' if where else ''}"
         if spec.data_dependent.observed or spec.data_dependent.values:
-            raise CaptureError(f"{what}, but the probe on the sample did not reach it") from None
+            raise _unreached(exc) from None
         try:
-            probed = _probed(model, sample, spec)
+            probed = _probed(model, probe_sample, spec)
         except InputError:
             stand_in = generation.narrow_stand_in(model) if spec.mode is Mode.GENERATE else None
             if stand_in is None:
-                raise CaptureError(f"{what}; the model's weights are on the meta device, so fxmem cannot run it: "
-                                   "build it with real (e.g. random) weights (command line: --device-init cpu)") from None
+                raise CaptureError(f"{_at(exc)}; the model's weights are on the meta device, so fxmem cannot run "
+                                   "it: build it with real (e.g. random) weights (command line: --device-init cpu)"
+                                   ) from None
             return _stood_in(model, stand_in, sample, spec, batch, symbolic, seq_dims)
+    try:
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+    except datadep.NeedsProbe as exc:
+        raise _unreached(exc) from None
+
+
+def _at(exc: BaseException) -> str:
+    where = _user_frame(exc)
+    return f"{exc}{f' (at {where})' if where else ''}"
+
+
+def _unreached(exc: datadep.NeedsProbe) -> CaptureError:
+    return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it")
+
+
+def _with_rows(sample: Any, batch: int, batch_dims: tuple[int, ...] | None) -> Any:
+    """A one-row ``sample`` with its row repeated ``batch`` times along each tensor's batch dim;
+    any other sample as it is."""
+    rows, _ = sample_rows(sample, batch_dims)
+    if rows != 1 or batch <= 1:
+        return sample
+    leaves, spec = tree_flatten(sample)
+    dims = batch_dims or (0,) * len(leaves)
+    return tree_unflatten([t.repeat_interleave(batch, dim=d) if isinstance(t, torch.Tensor) else t
+                           for t, d in zip(leaves, dims)], spec)
 
 
 def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -157,7 +184,7 @@ def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, spec: StepSpec
     ``generation.narrow_stand_in``'s real run (noted); refused where the capture needs
     data-dependent sizes too (an MoE's routing: there the values follow the weights)."""
     real_weights = "build it with real (e.g. random) weights (command line: --device-init cpu)"
-    probed = _probed(stand_in, sample, spec)
+    probed = _probed(stand_in, _with_rows(sample, batch, spec.batch_dims) if symbolic else sample, spec)
     try:
         raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:  # a value the stand-in's run did not ask: one that follows the weights
