@@ -72,6 +72,10 @@ def test_compile_bad_input():
     model, sample = NormMLP(16, 32, 4), _features(16, 4, 8)
     with pytest.raises(InputError, match="not a torch.compile mode"):
         estimator.report(model, sample, device="cpu", compile="fastest")
+    with pytest.raises(InputError, match="'bogus' is not a torch.compile mode"):  # in a dict too
+        estimator.report(model, sample, device="cpu", compile={"mode": "bogus"})
+    with pytest.raises(InputError, match="mode or options, not both"):
+        estimator.report(model, sample, device="cpu", compile={"mode": "max-autotune", "options": {"trace.enabled": 1}})
     with pytest.raises(InputError, match="compile= names fullgraf"):
         estimator.report(model, sample, device="cpu", compile={"fullgraf": True})
     with pytest.raises(InputError, match="compile must be True"):

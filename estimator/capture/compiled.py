@@ -59,6 +59,10 @@ class Compiled:
             object.__setattr__(self, "options", ())
         if self.mode == "default":
             object.__setattr__(self, "mode", None)
+        if self.mode is not None and self.mode not in COMPILE_MODES:
+            raise InputError(f"compile mode {self.mode!r} is not a torch.compile mode: {', '.join(COMPILE_MODES)}")
+        if self.mode is not None and self.options:
+            raise InputError("compile= takes mode or options, not both (torch.compile refuses the two together)")
 
     def apply(self, module: nn.Module) -> None:
         """Compile ``module``'s calls in place (``nn.Module.compile``: its names stay its own)."""
@@ -121,8 +125,6 @@ def spec_of(compile: Any) -> Compiled | None:
     if isinstance(compile, Compiled):
         return compile
     if isinstance(compile, str):
-        if compile not in COMPILE_MODES:
-            raise InputError(f"compile={compile!r} is not a torch.compile mode: {', '.join(COMPILE_MODES)}")
         return Compiled(mode=compile)
     if isinstance(compile, Mapping):
         unknown = set(compile) - {f.name for f in dataclasses.fields(Compiled)}
