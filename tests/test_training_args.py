@@ -116,6 +116,8 @@ def test_torch_compile():
     ({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"offload": True}}, "offload"),
     ({"per_device_train_batch_sise": 4}, "no field 'per_device_train_batch_sise'.*per_device_train_batch_size"),
     (["per_device_train_batch_size"], "a dict of its fields"),
+    ({"per_device_train_batch_size": "4"}, "per_device_train_batch_size='4': must be a positive int"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: must be a positive int"),
     ("/no/such/args.json", "no such TrainingArguments file"),
 ])
 def test_refused(args, message):

@@ -771,6 +771,10 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
     device = _device_type(device)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be a positive int, got {world_size!r}")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"TrainingArguments {name}={value!r}: must be a positive int")
     defaults = _transformers().TrainingArguments(output_dir="fxmem-unused", report_to="none", use_cpu=True)
     changed = [(name, getattr(args, name), why) for name, why in _UNMODELLED_ARGS.items()
                if getattr(args, name, None) != getattr(defaults, name, None)]
