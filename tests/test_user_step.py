@@ -363,3 +363,20 @@ def test_cuda_target_keeps_the_users_cuda_grad_scaler():
     assert rep.timeline.baseline[state](16) == built_in.timeline.baseline[state](16)
     with pytest.warns(UserWarning):  # the mapping is gone: without a GPU a CUDA scaler disables itself again
         assert not torch.amp.GradScaler("cuda").is_enabled()
+
+
+def test_a_training_step_without_backward_is_noted():
+    def logged_only(model, batch, opt):
+        with torch.no_grad():
+            return model(batch).sum().item()
+
+    def trains(model, batch, opt):
+        model(batch).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def noted(fn):
+        rep = estimator.report(torch.nn.Linear(8, 8), torch.randn(4, 8), step=fn, optimizer="sgd", device="cpu")
+        return [note for note in rep.notes if "ran no backward" in note]
+
+    assert len(noted(logged_only)) == 1 and noted(trains) == []
