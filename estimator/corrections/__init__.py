@@ -14,7 +14,7 @@ from estimator.corrections import grouped_mm, masks  # noqa: F401
 from estimator.corrections import fastpath  # noqa: F401  (native MHA / encoder fast paths)
 from estimator.corrections import clip  # noqa: F401  (clip_grad_* take the foreach branch of real tensors)
 from estimator.corrections.cpu import attention as cpu_attention  # noqa: F401
-from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, rnn  # noqa: F401
+from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, resample, rnn  # noqa: F401
 from estimator.corrections.cpu import foreach as cpu_foreach  # noqa: F401  (a wrapped number per tensor)
 from estimator.corrections.cuda import attention, kernels, optim  # noqa: F401
 from estimator.corrections.cuda import foreach  # noqa: F401  (_foreach_norm's per-chunk buffer)

@@ -420,17 +420,21 @@ def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
         fix = fn(args, kwargs, out, spec)
     else:
         fix = fn(args, kwargs, out)
-    # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such): no device memory.
-    wrapped = _wrapped_scalar_bytes(func, args, out) if target is Target.CPU else 0
-    if wrapped and not fix.measure:  # a measured call sees the wrapped scalar itself
-        saved = _saved_scalars(func, args)
-        # Saved ones are outputs of the op (the tracker allocates them), not scratch; in their
-        # node's backward the number is that saved tensor, not a new one.
-        wrapped -= 8 * (saved + _reused_scalar(func, args))
-        # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
-        scratch = (wrapped, *(s + wrapped for s in fix.scratch)) if wrapped else fix.scratch
-        fix = Fix(fix.output_bytes, scratch, fix.outputs, saved_scalars=saved)
-    return fix
+    # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such) and kernels
+    # cast their inputs as they load them: no device memory.
+    if target is not Target.CPU or fix.measure:  # a measured call sees these buffers itself
+        return fix
+    wrapped, promoted = _wrapped_scalar_bytes(func, args, out), _promoted_input_bytes(func, args)
+    if not (wrapped or promoted):
+        return fix
+    saved = _saved_scalars(func, args) if wrapped else 0
+    # Saved ones are outputs of the op (the tracker allocates them), not scratch; in their node's
+    # backward the number is that saved tensor, not a new one.
+    extra = wrapped - 8 * (saved + _reused_scalar(func, args)) if wrapped else 0
+    extra += promoted
+    # Alive for the whole op: on top of every in-kernel peak, and a peak of its own.
+    scratch = (extra, *(s + extra for s in fix.scratch)) if extra else fix.scratch
+    return Fix(fix.output_bytes, scratch, fix.outputs, saved_scalars=saved)
 
 
 _TENSOR_POSITIONS: dict[Any, tuple[int, ...]] = {}
@@ -473,6 +477,24 @@ def _wrapped_scalar_bytes(func, args, out) -> int:
             dtype = torch.result_type(args[0], args[i])
             wrapped += 8 + (0 if dtype in _WIDE else dtype.itemsize)
     return wrapped
+
+
+def _promoted_input_bytes(func, args):
+    """A binary TensorIterator op (``_WRAPS_SCALAR``, any overload) whose two tensor inputs have
+    different dtypes: on the CPU, ``TensorIteratorBase::compute_types``
+    (aten/src/ATen/TensorIterator.cpp) copies each input whose dtype is not the common one to it
+    (``op.tensor().to(common_dtype_)``, ``promote_inputs_to_common_dtype``), a buffer of that
+    input's elements alive during the op, which the meta kernel does not allocate.  E.g. the
+    backward of ``scatter_reduce(..., "amax")`` multiplies a bool mask by a float gradient
+    (torch/csrc/autograd/FunctionsManual.cpp ``scatter_reduce_backward``): a float copy of the
+    mask.  Python numbers are ``_wrapped_scalar_bytes``'."""
+    if func._overloadpacket.__name__.rstrip("_") not in _WRAPS_SCALAR or len(args) < 2:
+        return 0
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype == b.dtype:
+        return 0
+    common = torch.result_type(a, b)
+    return sum(as_expr(t.numel()) * common.itemsize for t in (a, b) if t.dtype != common)
 
 
 # Ops whose backward formula for ``self`` needs ``other`` (tools/autograd/derivatives.yaml:
