@@ -4,8 +4,8 @@ When two nodes send a gradient to the same input of a node (a tensor used twice,
 at every step of a loop), the engine sums them in that node's input buffer:
 ``torch/csrc/autograd/input_buffer.cpp`` ``accumulate()`` runs ``old.add_(new)`` when grad mode
 is off and ``can_accumulate_inplace(old)``: a plain (not subclass-like), non-overlapping and
-dense tensor whose last reference and whose storage's last reference the buffer holds; else
-``old + new``.  FakeTensors are subclass-like, so the capture always sees ``old + new``: one
+dense tensor whose last reference and whose storage's last reference the buffer holds (not a
+view: a view's base holds the storage too); else ``old + new``.  FakeTensors are subclass-like, so the capture always sees ``old + new``: one
 gradient-sized allocation too many at every sum (a pure-torch selective scan sums one per
 time step: Mamba +5 … +8 %).
 
@@ -30,7 +30,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.autograd.variable import Variable
 
-from estimator.symbolic import as_expr
+from estimator.corrections.registry import is_contiguous
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -50,7 +50,10 @@ class GradSums:
         old, var = args
         if not (isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor)):
             return
-        if old.shape != out.shape or var.shape != out.shape or old.dtype != out.dtype or not _contiguous(old):
+        # A view keeps its base's storage alive (use_count 2); a gradient sent to the same input
+        # twice (``h + h``: AddBackward0 returns one tensor for both) is held by the node's outputs.
+        if old._is_view() or old.untyped_storage()._cdata == var.untyped_storage()._cdata \
+                or old.shape != out.shape or var.shape != out.shape or old.dtype != out.dtype or not is_contiguous(old):
             return
         key = self.tracker.key_of(old)
         if key is not None:
@@ -133,15 +136,3 @@ class _Counted:
             self._sums.running -= 1
             for handle in handles:
                 handle.remove()
-
-
-def _contiguous(t: torch.Tensor) -> bool:
-    """``t`` is contiguous, read on the sizes' and strides' expressions (no shape guard); dims of
-    size 1 have any stride."""
-    expected = 1
-    for size, stride in reversed(list(zip(t.shape, t.stride()))):
-        size, stride = as_expr(size), as_expr(stride)
-        if size != 1 and stride != expected:
-            return False
-        expected = expected * size
-    return True

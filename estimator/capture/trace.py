@@ -119,7 +119,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     the step needs a data-dependent value (``.item()``), the sizes and values observed on the
     real sample first (``datadep.probe``).  Torch's log records and warnings are kept from the
     user (``quiet``)."""
-    with quiet(), _global_hooks_suspended() as suspended:
+    with quiet(), _conversions_as_for_real(), _global_hooks_suspended() as suspended:
         raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
     if suspended:
         raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
@@ -1059,6 +1059,34 @@ def _global_hooks_suspended():
             table.clear()
             table.update(entries)
             table.update(added)
+
+
+@contextlib.contextmanager
+def _conversions_as_for_real():
+    """``module.to(dtype)`` / ``.float()`` / ``.type()`` during the step, as for real tensors.
+
+    ``nn.Module._apply`` converts a FakeTensor parameter with ``torch.utils.swap_tensors``
+    (torch/nn/modules/module.py: ``isinstance(param, FakeTensor)``) where a real one is converted
+    with ``param.data = param_applied``; the swap refuses tensors that have weak references, as
+    the capture's fake parameters do ("Couldn't swap Linear.weight").  While the step runs, a
+    swap of a tensor with itself (a conversion that changes nothing) is the no-op it is for real
+    tensors, and a refused swap sets ``.data``, as for real tensors: the old storage goes when
+    nothing else holds it, the new one is the conversion's copy (priced where it was made)."""
+    swap = torch.utils.swap_tensors
+
+    def as_for_real(t1, t2):
+        if t1 is t2:
+            return
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            t1.data = t2
+
+    torch.utils.swap_tensors = as_for_real
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 @contextlib.contextmanager

@@ -362,8 +362,22 @@ def in_reduced_precision(args, kwargs) -> bool:
 
 def is_contiguous(t: torch.Tensor) -> bool:
     """Row-major contiguity from the stride expressions (no SymInt comparison, no guard)."""
+    return _row_major(t.shape, t.stride())
+
+
+def is_gemm_ready(t: torch.Tensor) -> bool:
+    """``t``'s last two dims row- or column-major and the rest contiguous around them (no guard):
+    a matrix BLAS reads as it is."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if _row_major(sizes, strides):
+        return True
+    sizes[-2:], strides[-2:] = sizes[:-3:-1], strides[:-3:-1]
+    return _row_major(sizes, strides)
+
+
+def _row_major(sizes, strides) -> bool:
     expected = 1
-    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+    for size, stride in reversed(list(zip(sizes, strides))):
         size, stride = as_expr(size), as_expr(stride)
         if size != 1 and sympy.simplify(sympy.sympify(stride) - expected) != 0:
             return False
