@@ -97,3 +97,38 @@ def test_cli_compile():
     assert data["strategy"] == "compiled" and any("estimated as compiled" in n for n in data["notes"])
     refused = CliRunner().invoke(cli, ["report", "transformers:gpt2", "--generate", "4", "--compile", "-q"])
     assert refused.exit_code != 0 and "drop --compile" in refused.output
+
+
+def _sequential():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+
+
+def _mean_square(out, sample):
+    return out.square().mean()
+
+
+def test_a_compiled_torch_nn_stack_is_estimated_as_the_user_compiled_it():
+    """``torch.compile(nn.Sequential(...))`` compiles the stack (OptimizedModule wraps a torch.nn
+    module in a frame Dynamo captures); ``seq.compile()`` compiles ``_call_impl``, a frame Dynamo
+    skips: it runs eager.  Each against the measured step (tolerance: 0 B)."""
+    x = torch.randn(256, 64)
+    torch._dynamo.reset()
+    rep = estimator.report(torch.compile(_sequential()), x, loss_fn=_mean_square, device="cpu")
+    torch._dynamo.reset()
+    assert rep.peak_bytes == measure_cpu(torch.compile(_sequential()), x, loss_fn=_mean_square).peak_bytes
+    assert not any(n.startswith("torch.compile compiled no graph") for n in rep.notes)
+    in_place = _sequential()
+    in_place.compile()
+    rep = estimator.report(in_place, x, loss_fn=_mean_square, device="cpu")
+    assert rep.peak_bytes == measure_cpu(_sequential(), x, loss_fn=_mean_square).peak_bytes  # eager
+    assert compiled.NO_GRAPH in rep.notes and not any("estimated as compiled" in n for n in rep.notes)
+
+
+def test_the_eager_backend_is_described_as_it_runs():
+    rep = estimator.report(NormMLP(16, 32, 4), _features(16, 4, 8), loss_fn=_class_loss, device="cpu",
+                           compile={"backend": "eager"})
+    torch._dynamo.reset()
+    real = torch.compile(NormMLP(16, 32, 4), backend="eager")
+    assert rep.peak_bytes == measure_cpu(real, _features(16, 4, 8), loss_fn=_class_loss).peak_bytes
+    assert any("Dynamo's graphs run eagerly" in n for n in rep.notes)

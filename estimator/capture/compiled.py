@@ -51,6 +51,7 @@ class Compiled:
     options: tuple[tuple[str, Any], ...] = ()  # torch.compile(options=) as (key, value) pairs: hashable
     dynamic: bool | None = None
     fullgraph: bool = False
+    in_place: bool = False  # compiled by ``module.compile()``, not ``torch.compile(module)``
 
     def __post_init__(self) -> None:
         if isinstance(self.options, Mapping):
@@ -65,16 +66,41 @@ class Compiled:
             raise InputError("compile= takes mode or options, not both (torch.compile refuses the two together)")
 
     def apply(self, module: nn.Module) -> None:
-        """Compile ``module``'s calls in place (``nn.Module.compile``: its names stay its own)."""
+        """Compile ``module``'s calls in place (its names stay its own) as the user's call does.
+
+        ``module.compile()`` compiles ``module._call_impl``, a frame of torch/nn that Dynamo
+        skips: a torch.nn module (``nn.Sequential``) compiled so runs eager, and so does its
+        estimate.  ``torch.compile(module)`` gives an ``OptimizedModule``, which wraps such a
+        module in a frame Dynamo captures (``external_utils.wrap_inline``, ``OptimizedModule.
+        _initialize`` in torch/_dynamo/eval_frame.py): that module is compiled, here too."""
         kwargs = {"mode": self.mode} if self.mode is not None else {}
         if self.options:
             kwargs["options"] = dict(self.options)
-        module.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **kwargs)
+        kwargs |= {"backend": self.backend, "dynamic": self.dynamic, "fullgraph": self.fullgraph}
+        if self.in_place or not _skipped_top_frame(module):
+            module.compile(**kwargs)
+        else:
+            from torch._dynamo import external_utils
+
+            module._compiled_call_impl = torch.compile(external_utils.wrap_inline(module._call_impl), **kwargs)
 
     @property
     def autotuned(self) -> bool:
         config = dict(getattr(self.backend, "config", None) or {}) | dict(self.options)
         return bool(config.get("max_autotune")) or "autotune" in (self.mode or "")
+
+    @property
+    def program(self) -> str:
+        """What runs, by backend (torch/_dynamo/backends: ``eager`` runs Dynamo's graphs as they
+        are; ``aot_eager`` AOTAutograd's forward and backward graphs; a compiler its program)."""
+        name = self.backend if isinstance(self.backend, str) else None
+        if name == "eager":
+            return "Dynamo's graphs run eagerly, op by op (backend='eager': no AOTAutograd partition, no generated program)"
+        if name in ("aot_eager", "aot_eager_decomp_partition"):
+            return ("the forward and backward graphs as AOTAutograd partitions them, run eagerly op by op "
+                    f"(backend={name!r}: no generated program)")
+        return ("the forward and backward graphs as AOTAutograd partitions them, the compiler's buffers and their "
+                "lifetimes as its generated program allocates and frees them (its kernels are not run)")
 
     @property
     def label(self) -> str:
@@ -86,23 +112,34 @@ class Compiled:
         return ", ".join(parts)
 
 
+def _skipped_top_frame(module: nn.Module) -> bool:
+    """Whether Dynamo skips ``module``'s forward as a top frame (OptimizedModule's test)."""
+    import types
+
+    from torch._dynamo import config, trace_rules
+
+    return config.wrap_top_frame or (isinstance(module.forward, types.MethodType)
+                                     and bool(trace_rules.check(module.forward)))
+
+
 def of(model: nn.Module) -> tuple[nn.Module, Compiled | None]:
     """The module a ``torch.compile`` of ``model`` compiles, and how (None: not compiled): an
     ``OptimizedModule`` (``torch.compile(model)``) or a module whose ``compile()`` was called.
     ``Compiled`` keeps the backend object itself (it carries ``mode`` and ``options``)."""
     if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        ctx, module = model.dynamo_ctx, model._orig_mod
+        ctx, module, in_place = model.dynamo_ctx, model._orig_mod, False
     elif getattr(model, "_compiled_call_impl", None) is not None:
         cells = [c.cell_contents for c in model._compiled_call_impl.__closure__ or ()]
-        ctx, module = next((c for c in cells if hasattr(c, "callback") and hasattr(c, "_dynamic")), None), model
+        ctx = next((c for c in cells if hasattr(c, "callback") and hasattr(c, "_dynamic")), None)
+        module, in_place = model, True
     else:
         return model, None
     if ctx is None:
-        return module, Compiled()
+        return module, Compiled(in_place=in_place)
     backend = ctx.callback
     while hasattr(backend, "_torchdynamo_orig_backend"):  # ConvertFrame -> WrapBackendDebug -> the backend
         backend = backend._torchdynamo_orig_backend
-    return module, Compiled(backend=backend, dynamic=ctx._dynamic, fullgraph=bool(ctx.fullgraph))
+    return module, Compiled(backend=backend, dynamic=ctx._dynamic, fullgraph=bool(ctx.fullgraph), in_place=in_place)
 
 
 def eager(model: nn.Module) -> None:
@@ -170,11 +207,16 @@ def notes(spec) -> tuple[str, ...]:
     return tuple(found)
 
 
+NO_GRAPH = ("torch.compile compiled no graph of this step: it ran eager and is estimated eager (Dynamo skipped its "
+            "frames: a torch.nn module such as nn.Sequential compiled with module.compile() is; "
+            "torch.compile(module) compiles it)")
+
+
 def regions_note(found: dict[str, Any]) -> tuple[str, ...]:
     """What Dynamo made of the step (``fake_runtime``'s dict): its graphs and graph breaks."""
     graphs, breaks = found.get("graphs", 0), found.get("breaks", [])
     if not graphs:
-        return ("torch.compile compiled no graph of this step: it ran eager (Dynamo skipped its frames)",)
+        return (NO_GRAPH,)
     shown = "; ".join(breaks[:3]) + (f"; and {len(breaks) - 3} more" if len(breaks) > 3 else "")
     return (f"Dynamo compiled {graphs} graph(s)" + (f", with graph breaks ({shown}): the code between them ran "
                                                     "eager" if breaks else ", no graph break"),)

@@ -106,7 +106,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
     _annotate(graph, timeline)
     own = None
     if spec.compiled is not None:
-        timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path)
+        timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path, notes)
         notes.extend(compiled_notes)
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own)
 
@@ -207,7 +207,8 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
         return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
 
 
-def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath):
+def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath,
+            notes_so_far: list[str]):
     """A compiled step at its own batch size: ``torch.compile`` (``dynamic`` not True) compiles a
     loop at one batch size for that size, static shapes, and Inductor plans such a program apart
     from the one-for-every-b program the symbolic capture compiled (a freed buffer reused where two
@@ -215,10 +216,11 @@ def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: i
     matrices decomposed).  Returns the formula (raised to the static program's peak at ``hint``
     where that is higher), the capture at ``hint`` (``Formula.own``: the report's numbers there)
     and the notes."""
+    if compiled.NO_GRAPH in notes_so_far:  # it ran eager: no program of its own at any size
+        return timeline, None, []
     label = spec.compiled.label
-    notes = [f"the step is compiled (torch.compile, {label}) and estimated as compiled: the forward and backward "
-             "graphs as AOTAutograd partitions them, the compiler's buffers and their lifetimes as its generated "
-             "program allocates and frees them (its kernels are not run)", *compiled.notes(spec)]
+    notes = [f"the step is compiled (torch.compile, {label}) and estimated as compiled: "
+             f"{spec.compiled.program}", *compiled.notes(spec)]
     if spec.compiled.dynamic or path is CapturePath.CONCRETE:  # the formula's captures are static programs
         return timeline, None, notes
     static = account(capture(model, sample, spec, hint, symbolic=False))
