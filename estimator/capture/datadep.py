@@ -45,8 +45,10 @@ import sympy
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from estimator.capture import compiled, watchdog
+from estimator.capture.shadows import Shadows
 from estimator.errors import CaptureError, InputError
 from estimator.symbolic import as_expr
 
@@ -204,6 +206,15 @@ class DataDependent(TorchDispatchMode):
         self._budget = _PerStorage()  # a one-hot tensor (or a copy of part of it) -> [ones left]
         self._distinct = _PerStorage()  # arange outputs (distinct values) -> True
         self.assumed: dict[str, None] = {}  # floating-point values answered with 0.0 (by site)
+        self.shadows = Shadows()  # the real values of what follows the sample alone
+
+    def shadow_sample(self, fsample, sample, batch_dims: tuple[int, ...] | None = None) -> None:
+        """Each sample tensor as the shadow of its fake copy (``shadows.py``)."""
+        fakes, reals = tree_flatten(fsample)[0], tree_flatten(sample)[0]
+        dims = batch_dims or (0,) * len(fakes)
+        for fake, real, dim in zip(fakes, reals, dims):
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and not real.is_meta:
+                self.shadows.seed(fake, real, dim)
 
     def new_step(self) -> None:
         """The measured step starts: the sites of calls outside any module count from 0 again, as in
@@ -227,12 +238,15 @@ class DataDependent(TorchDispatchMode):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:
-            return handler(self, func, args, kwargs)
-        out = func(*args, **kwargs)
-        if func in _KEEPS_BUDGET and isinstance(args[0], torch.Tensor):
-            pool = self._budget.get(args[0])
-            if pool is not None and isinstance(out, torch.Tensor) and self._budget.get(out) is None:
-                self._budget.set(out, pool)
+            out = handler(self, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+            if func in _KEEPS_BUDGET and isinstance(args[0], torch.Tensor):
+                pool = self._budget.get(args[0])
+                if pool is not None and isinstance(out, torch.Tensor) and self._budget.get(out) is None:
+                    self._budget.set(out, pool)
+        if self.shadows:
+            self.shadows.follow(func, args, kwargs, out)
         return out
 
     # -- sizes --------------------------------------------------------------------------
@@ -278,6 +292,9 @@ class DataDependent(TorchDispatchMode):
         key = self._sites.key(f"{_short(func)}@{_user_line()}")
         if key in self.policy.values:
             return self.policy.values[key]
+        known = self.shadows.value(args[0])
+        if known is not None:  # a value that follows the sample alone
+            return known
         if args[0].is_floating_point():
             self.assumed[key] = None
             return 0.0

@@ -30,7 +30,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections, custom_ops, step
-from estimator.capture import compiled, datadep, generation
+from estimator.capture import compiled, datadep, generation, tracing
 from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
 from estimator.capture.graph import map_exprs
@@ -119,7 +119,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     the step needs a data-dependent value (``.item()``), the sizes and values observed on the
     real sample first (``datadep.probe``).  Torch's log records and warnings are kept from the
     user (``quiet``)."""
-    with quiet(), _conversions_as_for_real(), _global_hooks_suspended() as suspended:
+    with quiet(), _conversions_as_for_real(), tracing.as_for_real(), _global_hooks_suspended() as suspended:
         raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
     if suspended:
         raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
@@ -293,6 +293,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     # activation_checkpointing_enable) and user code save the RNG state the same way.
     rng_states = _fake_rng_state() if not spec.target.is_cuda else contextlib.nullcontext()
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
+    dd.shadow_sample(fsample, sample, dims)
     user = spec.step is not None
     lengths = generation.symbolic_lengths() if spec.mode is Mode.GENERATE else contextlib.nullcontext()
     runtime = compiled.fake_runtime(spec.compiled) if spec.compiled is not None else contextlib.nullcontext({})

@@ -1,0 +1,55 @@
+"""Library code that asks "am I being traced?" takes the branch real eager tensors take.
+
+Some libraries branch on whether they are being traced or compiled, mostly to avoid reading a
+tensor's value (a data-dependent branch breaks a graph).  Under fxmem's capture the step runs
+eagerly, so every check that asks about the *mode* (``torch.jit.is_tracing``,
+``torch.compiler.is_compiling``, ``torch._dynamo.is_compiling``, ``torch.fx._symbolic_trace.
+is_fx_tracing``, transformers' ``is_torchdynamo_compiling``) already answers as in a real eager
+run (a compiled capture's Dynamo does compile, as the real one).  The checks that ask about the
+*tensor* do not: FakeTensors are tensor subclasses and a FakeTensor is, to them, a trace.  Those
+are answered here, in one place, as for real tensors wherever the value the branch reads is
+known -- it follows the sample alone (``shadows.py``) -- and as before (the tracing branch, the
+safe over-estimate) where it is not.
+
+Sites (docs/design.md, "Checks for tracing"):
+- transformers ``utils.import_utils.is_fake_tensor`` (what ``is_tracing(tensor)`` asks): the
+  masks of ``masking_utils`` (``_ignore_causal_mask_sdpa``, ``_ignore_bidirectional_mask_sdpa``:
+  a causal (b, 1, s, s) mask built for an all-ones attention mask), ``find_packed_sequence_indices``,
+  generation's checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from estimator.capture import datadep
+
+
+def _known(t) -> bool:
+    mode = datadep.active()
+    return isinstance(t, torch.Tensor) and mode is not None and mode.shadows.get(t) is not None
+
+
+def _is_fake_tensor(x) -> bool:
+    """transformers' ``is_fake_tensor``: True for a fake tensor whose value the capture does not
+    know."""
+    return isinstance(x, FakeTensor) and not _known(x)
+
+
+@contextlib.contextmanager
+def as_for_real():
+    """Answer the tensor checks of the libraries already imported as for real tensors (above)."""
+    patched = []
+    utils = sys.modules.get("transformers.utils.import_utils")
+    if utils is not None and hasattr(utils, "is_fake_tensor"):
+        patched.append((utils, "is_fake_tensor", utils.is_fake_tensor))
+        utils.is_fake_tensor = _is_fake_tensor
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
