@@ -170,13 +170,37 @@ def test_data_dependent_models_are_captured(mode):
     assert estimator.report(ItemIf(), x8(), mode=mode, device="cpu").peak_bytes > 0
 
 
+class WeightsIf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        if (h.sum() > 0).item():  # a value that follows the weights
+            return h
+        return -h
+
+
 def test_data_dependent_value_on_meta_weights_says_why():
     with torch.device("meta"):
-        model = ItemIf()
+        model = WeightsIf()
     with pytest.raises(CaptureError, match="meta device") as err:
         estimator.report(model, x8(), mode="inference", device="cpu")
     assert isinstance(err.value, FxmemError)
-    assert "if (x.sum() > 0).item():" in str(err.value) and __file__ in str(err.value)  # the user's line
+    assert "if (h.sum() > 0).item():" in str(err.value) and __file__ in str(err.value)  # the user's line
+
+
+def test_a_value_that_follows_the_sample_needs_no_weights():
+    """``(x.sum() > 0).item()`` reads the sample alone: known on the meta device too, and the
+    branch the real run takes (``-self.l(x)``: one more output) is the one estimated."""
+    with torch.device("meta"):
+        model = ItemIf()
+    x = x8().abs()  # the sum is positive: the first branch
+    assert estimator.report(model, x, mode="inference", device="cpu").peak_bytes == \
+        estimator.report(ItemIf(), x, mode="inference", device="cpu").peak_bytes
+    assert estimator.report(model, -x, mode="inference", device="cpu").peak_bytes > \
+        estimator.report(model, x, mode="inference", device="cpu").peak_bytes
 
 
 def test_model_that_raises_names_the_line():
