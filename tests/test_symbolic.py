@@ -269,3 +269,28 @@ def test_fitted_scratch_with_another_number_of_buffers_at_another_size():
     assert fitted.ops[0].scratch == (Poly((0, 50)),)
     fitted = fit_timelines([2, 3, 8], [timeline(100, 60), timeline(150, 70), timeline(400, 120)])
     assert fitted.ops[0].scratch == (Poly((0, 50)), Poly((40, 10)))
+
+
+class PerRow(nn.Module):
+    """A Python loop over the batch's rows: b + 1 runs other ops than b (transformers Reformer's
+    axial position encodings in eval do the like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.stack([self.l(x[i]) * (i + 1) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_batch_dependent_program_is_reported_at_its_batch(mode, b):
+    x = torch.randn(b, 4, 16)
+    rep = estimator.report(PerRow(), x, mode=mode, device="cpu")
+    assert rep.peak_bytes == measure_cpu(PerRow(), x, mode=mode).peak_bytes
+    hint = max(b, 2)
+    assert (rep.valid_from, rep.valid_to) == (hint, hint)
+    assert any(f"hold for b = {hint} only" in n for n in rep.notes)
+    with pytest.raises(InputError, match=r"report\(\.\.\., batch=5\)"):
+        rep.at(5)

@@ -87,15 +87,17 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         try:
             timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
-        except CaptureError:
-            if spec.compiled is None:
+        except CaptureError as differs:
+            if spec.compiled is None and not isinstance(differs, _ProgramDiffers):
                 raise
-            # each size compiles another program (autotuning's picks follow the sizes): this size only
+            # the program follows the batch size (a Python loop over the rows; the compiler's picks):
+            # the capture at this size is exact, and holds for it alone
             raw = capture(model, sample, spec, hint, symbolic=False)
             timeline, graph, valid_from, valid_to, sites = account(raw), raw.graph, hint, hint, raw.data_dependent
-            note = (f"symbolic capture failed ({exc}) and the programs compiled for b = {hint} and {hint + 1} run "
-                    f"different ops (the compiler's choices follow the sizes): the numbers hold for b = {hint} "
-                    "only; report each batch size you consider")
+            why = ("the compiler's choices follow the sizes" if spec.compiled is not None else
+                   "the model's Python depends on the batch size, e.g. a loop over its rows")
+            note = (f"symbolic capture failed ({exc}) and the programs at b = {hint} and {hint + 1} run different "
+                    f"ops ({why}): the numbers hold for b = {hint} only; report each batch size you consider")
             host_notes = raw.notes
         notes.append(note + ("; assumed linear elsewhere" if valid_to is None else
                              "" if valid_to == valid_from else f"; it holds up to b = {valid_to}"))
@@ -239,11 +241,15 @@ def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: i
     return timeline, (hint, static), notes
 
 
+class _ProgramDiffers(CaptureError):
+    """The concrete captures at two batch sizes run different ops."""
+
+
 def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:
     names, expected = [op.name for op in raw.ops], [op.name for op in reference.ops]
     if names != expected:
         first = next((i for i, (x, y) in enumerate(zip(expected, names)) if x != y), min(len(names), len(expected)))
-        raise CaptureError(
+        raise _ProgramDiffers(
             f"symbolic capture failed ({why}) and the concrete fallback runs different ops at b={b0} and "
             f"b={b} (first difference at op {first}): the memory of this model is not one formula in the batch size"
         )
