@@ -9,7 +9,7 @@ from torch import nn
 
 import estimator
 from estimator.capture import datadep
-from estimator.errors import CaptureError, InputError
+from estimator.errors import InputError
 from validators.cpu import measure_cpu
 
 D = 64
@@ -138,8 +138,21 @@ def test_item_in_forward_uses_the_real_sample():
     assert rep.peak_bytes == measure_cpu(Crop(), (x, lengths), "inference", None).peak_bytes
     with torch.device("meta"):
         meta = Crop()
-    with pytest.raises(CaptureError, match="meta device"):
-        estimator.report(meta, (x, lengths), mode="inference", device="cpu")
+    # lengths.max() follows the sample alone (capture/shadows.py): no real weights needed
+    assert estimator.report(meta, (x, lengths), mode="inference", device="cpu").peak_bytes == rep.peak_bytes
+
+
+def test_a_sample_mask_is_counted_under_the_sample_policy_without_a_probe():
+    """``x[mask]`` with the sample's own mask: its count is the sample's under
+    ``data_dependent='sample'``, on the meta device too; the default stays the bound."""
+    x, mask = torch.randn(4, 16, D), torch.rand(4, 16, generator=torch.Generator().manual_seed(2)) < 0.3
+    with torch.device("meta"):
+        model = Gather()
+    rep = estimator.report(model, (x, mask), mode="inference", data_dependent="sample", device="cpu")
+    assert rep.peak_bytes == measure_cpu(Gather(), (x, mask), "inference", None).peak_bytes
+    assert any("fixed by the sample's own values" in n for n in rep.notes)
+    bound = estimator.report(model, (x, mask), mode="inference", device="cpu")
+    assert any("used n = 16*b" in n for n in bound.notes) and bound.peak_bytes > rep.peak_bytes
 
 
 def test_sample_policy_needs_real_weights():

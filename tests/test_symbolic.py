@@ -158,7 +158,7 @@ class Specializes(nn.Module):
 
 
 class PerRow(nn.Module):
-    """A Python loop over the batch: specializes it too."""
+    """A Python loop over the batch: specializes it too, and b + 1 runs other ops than b."""
 
     def __init__(self):
         super().__init__()
@@ -180,14 +180,6 @@ def test_specialized_batch_falls_back_to_concrete(mode):
         fresh = estimator.report(model_cls(), torch.randn(b, 16), mode=mode, optimizer="sgd", device="cpu")
         assert rep.at(b) == fresh.peak_bytes
     assert rep.path is CapturePath.CONCRETE
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_python_loop_over_the_batch_is_refused(mode):
-    # One op per row: the op sequence depends on b, so there is no per-op formula; a clear
-    # error instead of a silently wrong number.
-    with pytest.raises(estimator.CaptureError, match="runs different ops at b=8 and b=9"):
-        estimator.report(PerRow(), torch.randn(8, 16), mode=mode, optimizer="sgd", device="cpu")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -271,22 +263,13 @@ def test_fitted_scratch_with_another_number_of_buffers_at_another_size():
     assert fitted.ops[0].scratch == (Poly((0, 50)), Poly((40, 10)))
 
 
-class PerRow(nn.Module):
-    """A Python loop over the batch's rows: b + 1 runs other ops than b (transformers Reformer's
-    axial position encodings in eval do the like)."""
-
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return torch.stack([self.l(x[i]) * (i + 1) for i in range(x.shape[0])])
-
-
 @pytest.mark.parametrize("mode", ["train", "inference"])
 @pytest.mark.parametrize("b", [1, 3])
 def test_a_batch_dependent_program_is_reported_at_its_batch(mode, b):
-    x = torch.randn(b, 4, 16)
+    # One op per row (transformers Reformer's axial position encodings in eval do the like): the
+    # op sequence depends on b, so there is no per-op formula; the capture at b is exact and holds
+    # for b alone (b = 1: captured at 1 itself, the formula's range being b = 2).
+    x = torch.randn(b, 16)
     rep = estimator.report(PerRow(), x, mode=mode, device="cpu")
     assert rep.peak_bytes == measure_cpu(PerRow(), x, mode=mode).peak_bytes
     hint = max(b, 2)

@@ -64,6 +64,8 @@ class Source(enum.Enum):
     BUDGET = "the upper bound within a known total (one-hot rows have one 1 each)"
     FRACTION = "a fraction of the upper bound, rounded up per row"
     SAMPLE = "observed on the sample (data_dependent='sample'), scaled per batch row"
+    INPUTS = ("fixed by the sample's own values (a mask, labels or lengths it holds; data_dependent='sample'), "
+              "scaled per batch row")
     GIVEN = "given for this site"
     UNOBSERVED = "the upper bound: the probe on the sample did not reach this call"
 
@@ -250,11 +252,15 @@ class DataDependent(TorchDispatchMode):
         return out
 
     # -- sizes --------------------------------------------------------------------------
-    def size(self, op: str, upper, mask: torch.Tensor | None = None):
-        """The size to use for one data-dependent call (an int or SymInt), recorded as a site."""
+    def size(self, op: str, upper, mask: torch.Tensor | None = None, known: tuple[int, int] | None = None):
+        """The size to use for one data-dependent call (an int or SymInt), recorded as a site.
+        ``known``: ``(n, bound)`` at the capture's hint where the sample's own values fix it
+        (``shadows.py``); else the count of ``mask``'s nonzeros where its shadow has them."""
         key = self._sites.key(op)
         pool = self._budget.get(mask) if mask is not None else None
-        used, source, observed = self._choose(key, as_expr(upper))
+        if known is None and mask is not None:
+            known = self.shadows.count(mask)
+        used, source, observed = self._choose(key, as_expr(upper), known)
         if pool is not None and source is Source.BOUND:
             left = pool[0]
             used = left if _le(left, used) else used
@@ -263,12 +269,14 @@ class DataDependent(TorchDispatchMode):
         self.sites[key] = Site(key, op, as_expr(upper), used, source, observed)
         return _symint(used, upper)
 
-    def _choose(self, key: str, upper):
+    def _choose(self, key: str, upper, known: tuple[int, int] | None = None):
         choice = self.policy.sites.get(key, self.policy.default)
         if isinstance(choice, int):
             return sympy.Integer(choice), Source.GIVEN, None
         if isinstance(choice, float):
             return _scaled(upper, choice), Source.FRACTION, None
+        if choice == SAMPLE and known is not None:  # the sample's own values fix it: no probe needed
+            return _per_row(upper, *known), Source.INPUTS, known
         if choice == SAMPLE:
             seen = self.policy.observed.get(key)
             if seen is None:
