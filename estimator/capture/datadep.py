@@ -608,26 +608,47 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwa
                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
+def _from_a_library(hook) -> bool:
+    """Whether ``hook`` is a library's (installed in site-packages: transformers' output capturing,
+    accelerate's device alignment), part of what the model computes, not the user's own."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(module, "__file__", None) or ""
+    return "site-packages" in path or "dist-packages" in path
+
+
 @contextlib.contextmanager
-def _hooks_off(model: nn.Module):
-    """The forward hooks of ``model``'s modules taken out, and put back on exit."""
-    saved = [(m, name, dict(getattr(m, name))) for m in model.modules() for name in _MODULE_HOOKS
-             if getattr(m, name, None)]
-    for m, name, _ in saved:
-        getattr(m, name).clear()
+def _user_hooks_off(model: nn.Module):
+    """The user's forward hooks on ``model``'s modules taken out (they would be handed the real
+    tensors the user's code keeps), a library's left in (transformers 5 collects ``hidden_states``
+    through hooks); and on exit every module as it was: its hooks, and no attribute the probe's
+    run added (transformers marks a model whose capturing hooks it installed)."""
+    modules = list(model.modules())
+    saved = [(set(m.__dict__), {name: dict(getattr(m, name)) for name in _MODULE_HOOKS if hasattr(m, name)})
+             for m in modules]
+    for m, (_, hooks) in zip(modules, saved):
+        for name, table in hooks.items():
+            for key, hook in table.items():
+                if not _from_a_library(hook):
+                    getattr(m, name).pop(key, None)
     try:
         yield
     finally:
-        for m, name, hooks in saved:
-            getattr(m, name).update(hooks)
+        for m, (attributes, hooks) in zip(modules, saved):
+            for attribute in set(m.__dict__) - attributes:
+                del m.__dict__[attribute]
+            for name, table in hooks.items():
+                getattr(m, name).clear()
+                getattr(m, name).update(table)
 
 
 def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
     user's whole step) recording the
-    data-dependent sizes and values; the model's buffers and the RNG come back as they were, and
-    the model's own forward hooks do not run (they would see real tensors the user's code keeps:
-    a hook that changes a module's output changes what the probe sees, a limitation)."""
+    data-dependent sizes and values; the model's buffers, hooks and the RNG come back as they
+    were, and the user's own forward hooks do not run (they would see real tensors the user's
+    code keeps: a hook that changes a module's output changes what the probe sees, a limitation);
+    a library's hooks do (``_user_hooks_off``)."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise InputError("data_dependent='sample' observes the sizes on the sample with the model's weights, "
                          "but they are on the meta device: use 'max' (the safe bound), a fraction, or numbers per "
@@ -636,7 +657,7 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = Fal
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     recorder = Probe(names)
     try:
-        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), _hooks_off(model), \
+        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), _user_hooks_off(model), \
                 recorder._sites.hooks(), recorder:
             forward()
     finally:
