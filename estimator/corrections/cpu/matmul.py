@@ -1,5 +1,4 @@
-"""Matrix products on the CPU in reduced precision, or of matrices BLAS cannot read as they
-are: measured on the host.
+"""Matrix products on the CPU: the copies BLAS needs, and reduced precision measured on the host.
 
 fp32 ``mm`` / ``addmm`` / ``bmm`` run MKL's sgemm, which allocates nothing through PyTorch's
 allocator, when each matrix is row- or column-major; one that is neither (an expanded gradient
@@ -8,7 +7,8 @@ a slice) is first cloned contiguous (``addmm_impl_cpu_`` in
 aten/src/ATen/native/LinearAlgebra.cpp: ``m1.clone(at::MemoryFormat::Contiguous)`` when
 neither stride is 1 with a valid leading dimension; measured: 64 B for the (4, 4) gradient of
 ``Linear(16, 4)(x).sum()``, 48 B over the fake's peak with SGD), which the meta kernel does not
-do.  bf16 and fp16 products run oneDNN's matmul
+do: those clones are computed from the strides (``_copies``).  bf16 and fp16 products run
+oneDNN's matmul
 (aten/src/ATen/native/mkldnn/Matmul.cpp ``mkldnn_matmul``; ``use_mkldnn_matmul`` in
 aten/src/ATen/native/LinearAlgebra.cpp), whose brgemm implementations book a scratchpad
 (packed blocks, per-thread accumulators) that depends on the ISA (AVX512_BF16, AMX, or AVX2
@@ -19,28 +19,72 @@ an AVX-512 host, which was −1.7 to −2.3 % of checkpointed bf16 steps.  They 
 
 from __future__ import annotations
 
+import sympy
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import in_reduced_precision, is_gemm_ready, measured
+from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, in_reduced_precision, is_gemm_ready
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
 
-def _measured(args, kwargs, matrices: tuple[int, int]) -> bool:
-    """A bf16/fp16 product (oneDNN), or one with a matrix BLAS cannot read as it is (cloned first);
-    fp32 products of row- or column-major matrices (MKL) allocate nothing unseen."""
-    return in_reduced_precision(args, kwargs) or not all(is_gemm_ready(args[i]) for i in matrices)
+def _copies(m1: torch.Tensor, m2: torch.Tensor):
+    """Bytes ``addmm_impl_cpu_`` (aten/src/ATen/native/LinearAlgebra.cpp) clones of ``m1`` and
+    ``m2`` before calling BLAS, for a fresh contiguous result; None where a stride comparison
+    cannot be decided on the sizes' expressions (a symbolic leading dimension).
+
+    The result (rows, cols), strides (cols, 1), is column-major only when cols == 1; else the
+    operands swap and ``transpose_c`` is set.  A matrix whose strides are neither ``(1, >= max(1,
+    m))`` nor ``(>= max(1, k), 1)`` in the resulting roles is cloned contiguous: an expanded
+    (stride 0) gradient always is."""
+    rows, cols = as_expr(m1.shape[0]), as_expr(m2.shape[1])
+    transpose_c = cols != 1
+    if transpose_c:
+        m1, m2 = m2, m1
+    m, n = (cols, rows) if transpose_c else (rows, cols)
+    k = as_expr(m1.shape[0 if transpose_c else 1])
+    i, j = (1, 0) if transpose_c else (0, 1)
+    total = 0
+    for t, (lead_a, lead_b) in ((m1, (m, k)), (m2, (k, n))):
+        strides = [as_expr(x) for x in t.stride()]
+        usable = [strides[i] == 1 and _ge(strides[j], lead_a), strides[j] == 1 and _ge(strides[i], lead_b)]
+        if any(u is True for u in usable):
+            continue
+        if any(u is None for u in usable):
+            return None
+        total += as_expr(t.numel()) * t.element_size()
+    return total
 
 
-@measured(aten.mm.default, aten.bmm.default, targets=Target.CPU)
-def matmul(args, kwargs, out) -> bool:
-    """``mm(self, mat2)``, ``bmm(self, mat2)``: see ``_measured``."""
-    return _measured(args, kwargs, (0, 1))
+def _ge(stride, size):
+    """``stride >= max(1, size)`` decided on the expressions (sizes are positive), else None."""
+    decided = sympy.Ge(sympy.sympify(stride), sympy.Max(1, sympy.sympify(size)))
+    return bool(decided) if decided in (sympy.true, sympy.false) else None
 
 
-@measured(aten.addmm.default, aten.baddbmm.default, aten._addmm_activation.default, targets=Target.CPU)
-def matmul_added(args, kwargs, out) -> bool:
+def _fix(args, kwargs, m1: torch.Tensor, m2: torch.Tensor, batched: bool) -> Fix:
+    """A bf16/fp16 product (oneDNN) is measured; an fp32 one (MKL) allocates nothing unseen but
+    the clones ``_copies`` finds (measured where they cannot be decided, and for ``bmm``, whose
+    layout rules are its own, when a matrix is not row- or column-major)."""
+    if in_reduced_precision(args, kwargs):
+        return MEASURE
+    if batched:
+        return NO_FIX if is_gemm_ready(m1) and is_gemm_ready(m2) else MEASURE
+    copies = _copies(m1, m2)
+    if copies is None:
+        return MEASURE
+    return Fix(scratch=(copies,)) if copies else NO_FIX
+
+
+@correction(aten.mm.default, aten.bmm.default, targets=Target.CPU)
+def matmul(args, kwargs, out) -> Fix:
+    """``mm(self, mat2)``, ``bmm(self, mat2)``: ``_fix``."""
+    return _fix(args, kwargs, args[0], args[1], out.dim() == 3)
+
+
+@correction(aten.addmm.default, aten.baddbmm.default, aten._addmm_activation.default, targets=Target.CPU)
+def matmul_added(args, kwargs, out) -> Fix:
     """``addmm(self, mat1, mat2)`` and the like: ``self`` is copied into the result, never handed to
-    BLAS; see ``_measured``."""
-    return _measured(args, kwargs, (1, 2))
+    BLAS; ``_fix``."""
+    return _fix(args, kwargs, args[1], args[2], out.dim() == 3)

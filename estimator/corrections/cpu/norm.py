@@ -9,15 +9,20 @@ kernels allocate is measured per call (``estimator.target.cpu``).
 
 ``layer_norm_cpu`` (aten/src/ATen/native/layer_norm.cpp) normalizes ``input.contiguous()``: a
 non-contiguous input (ConvNeXt's ``LayerNorm2d``: ``norm(x.permute(0, 2, 3, 1))``) is first
-copied, an input-sized buffer the meta kernel does not show; those calls are measured too.
+copied, an input-sized buffer the meta kernel does not show; those calls are measured too.  Its
+backward reduces the weight's and bias's gradients through a per-thread buffer, computed from
+the source and the threads this process runs with (``layer_norm_backward``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import fake_kernel, is_contiguous, measured
+from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, fake_kernel, is_contiguous, measured
+from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
@@ -43,18 +48,23 @@ def layer_norm_of_a_strided_input(args, kwargs, out) -> bool:
     return not is_contiguous(args[0])
 
 
-@measured(aten.native_layer_norm_backward.default, targets=Target.CPU)
-def layer_norm_backward(args, kwargs, out) -> bool:
-    """A CPU layer norm backward that computes the weight's or the bias's gradient, or whose
-    ``grad_out`` or ``input`` is not contiguous.  The weight and bias gradients are reduced
-    through a buffer of ``2 x threads x N`` elements (N: the normalized size;
-    ``LayerNormBackwardKernelImplInternal`` in aten/src/ATen/native/cpu/layer_norm_kernel.cpp,
-    ``buffer.resize_({2, num_threads, N})``), which depends on the host's threads and which the
-    meta kernel does not show: LayerNorm over (C, H, W) of a ConvTranspose2d output, 2 threads,
-    32 KB (−10 % at b = 3)."""
-    grad_out, x = args[0], args[1]
+@correction(aten.native_layer_norm_backward.default, targets=Target.CPU)
+def layer_norm_backward(args, kwargs, out) -> Fix:
+    """A CPU layer norm backward: measured where ``grad_out`` or ``input`` is not contiguous;
+    else, when it computes the weight's or the bias's gradient, the buffer they are reduced
+    through: ``2 x threads x N`` elements of the input's dtype (N: the normalized size), alive
+    during the op (``LayerNormBackwardKernelImplInternal`` in
+    aten/src/ATen/native/cpu/layer_norm_kernel.cpp: ``buffer.resize_({2, num_threads, N})``),
+    the threads this process runs with -- which the meta kernel does not show (LayerNorm over
+    (C, H, W) of a ConvTranspose2d output, 2 threads, N = 2,048: 32 KiB, -10 % at b = 3)."""
+    grad_out, x, normalized_shape = args[0], args[1], args[2]
+    if not (is_contiguous(grad_out) and is_contiguous(x)):
+        return MEASURE
     output_mask = args[7] if len(args) > 7 else kwargs["output_mask"]
-    return bool(output_mask[1] or output_mask[2]) or not (is_contiguous(grad_out) and is_contiguous(x))
+    if not (output_mask[1] or output_mask[2]):
+        return NO_FIX
+    n = math.prod(as_expr(d) for d in normalized_shape)
+    return Fix(scratch=(2 * torch.get_num_threads() * n * x.element_size(),))
 
 
 @fake_kernel(aten.native_layer_norm.default, targets=(Target.CPU, Target.CUDA))
