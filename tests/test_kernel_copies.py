@@ -7,7 +7,8 @@ allocator's measurement at b = 1, 3, 17 (tolerance: 0 B).
   ``2 x threads x N`` buffer (corrections/cpu/norm.py, measured);
 - a binary op with inputs of two dtypes copies the other one to the common dtype
   (TensorIterator's input promotion, registry.py ``_promoted_input_bytes``): the backward of
-  ``scatter_reduce(..., "amax")`` multiplies a bool mask by a float gradient.
+  ``scatter_reduce(..., "amax")`` multiplies a bool mask by a float gradient;
+- ``abs`` of a complex tensor computes into a complex temporary (corrections/complex.py).
 """
 
 from __future__ import annotations
@@ -61,11 +62,23 @@ class MaxMessages(nn.Module):
         return agg.index_add(0, dst, msg)
 
 
+class ComplexWeights(nn.Module):
+    """A complex-valued parameter; ``abs`` brings the features back to real numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16, dtype=torch.complex64))
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):  # x: (b, 16)
+        return self.fc((x.to(torch.complex64) @ self.w).abs())
+
+
 def _sum(out, sample):
     return out.sum()
 
 
-CASES = {UpsamplePool: (3, 16, 16), TransposedNorm: (4, 8, 8), MaxMessages: (32,)}
+CASES = {UpsamplePool: (3, 16, 16), TransposedNorm: (4, 8, 8), MaxMessages: (32,), ComplexWeights: (16,)}
 
 
 @pytest.mark.parametrize("model", list(CASES), ids=lambda m: m.__name__)
