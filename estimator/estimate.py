@@ -452,7 +452,8 @@ def _result(request: _Request, step_: Captured) -> Report:
     spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
     notes = [*request.notes, *step_.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
-        notes += [cuda.not_modelled_note(), *gpus.estimated_notes(spec.target.context_bytes),
+        ran = {op.op for op in step_.timeline.ops}
+        notes += [cuda.not_modelled_note(ran), *gpus.estimated_notes(spec.target.context_bytes),
                   *cudnn.estimated_notes(step_.at_batch or step_.timeline, step_.graph, spec.target, batch,
                                          step_.seq, per_device=not strategy.distributed)]
     if strategy.multiple > 1:

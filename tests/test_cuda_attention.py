@@ -318,8 +318,20 @@ def test_cpu_target_unchanged():
 
 
 def test_not_modelled_is_documented():
-    assert any("workspace" in item for item in att.NOT_MODELLED)
-    assert all(isinstance(item, str) and item for item in att.NOT_MODELLED)
+    assert any("workspace" in gap.text for gap in att.NOT_MODELLED)
+    assert all(gap.text and gap.ops for gap in att.NOT_MODELLED)  # each concerns attention ops
+
+
+def test_the_not_modelled_note_lists_what_applies():
+    """The report's CUDA note names only the gaps of ops the step ran: an MLP's has no attention,
+    RNN or convolution gap; an attention model's has its attention gaps."""
+    from estimator.corrections.cuda import not_modelled
+
+    mlp = not_modelled({"aten.addmm.default", "aten.relu.default", "aten.sum.default"})
+    assert not any("attention" in g or "RNN" in g or "convolution" in g for g in mlp)
+    assert any("reduction staging" in g for g in mlp) and len(mlp) < len(not_modelled())
+    sdpa = not_modelled({"aten._scaled_dot_product_efficient_attention.default"})
+    assert any("batch > 65535" in g for g in sdpa) and not any("cuDNN attention workspace" in g for g in sdpa)
 
 
 def test_multihead_attention_and_encoder_layer_take_the_cuda_paths():

@@ -108,8 +108,10 @@ def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None =
                       run.carried)
 
 
-def not_modelled_note() -> str:
-    gaps = "; ".join(not_modelled())
+def not_modelled_note(ran=None) -> str:
+    """What the CUDA target does not model, of what applies to a step that ran the aten ops
+    ``ran`` (None: all of it)."""
+    gaps = "; ".join(not_modelled(ran))
     return (
         "CUDA target: kernels, optimizer defaults, cuBLAS workspaces and the caching allocator are modelled "
         "from PyTorch's source (the CUDA context is estimated: its own note)" + (f"; not modelled: {gaps}" if gaps else "")

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.categories import Target
+from estimator.corrections.cuda import Gap
 from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import Fix, bind, correction, substitute
 from estimator.errors import SymbolicCaptureFailed
@@ -80,21 +81,28 @@ from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
-# What cannot be known without the GPU or is deliberately left out (each item is short).
+# What cannot be known without the GPU or is deliberately left out (each item is short), and
+# the ops each concerns.
+_SDPA = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+_NESTED = ("nested", "_transformer_encoder_layer_fwd", "_native_multi_head_attention")
 NOT_MODELLED = [
-    "cuDNN attention workspace (cudnn_frontend graph.get_workspace_size(), chosen when the graph is built)",
-    "cuDNN / libraries version on the target machine: ASSUMED_CUDNN_VERSION decides the cuDNN-first order",
-    "FA3/FA4 flash implementations activated with torch.nn.attention.activate_flash_attention_impl",
-    "mem-efficient backward kernel choice limited by shared memory (sm86/89/12x may take smaller tiles)",
-    "batch > 65535 chunking of the mem-efficient kernels",
-    "nested-tensor inputs (the CPU path runs)",
-    "CUDA-graph capture (seed/offset on device for mem-efficient)",
-    "return_debug_mask=True (testing only)",
-    "TORCH_CUDNN_SDPA_AVOID_RECOMPILE ragged offsets (small int tensors)",
-    "nested-tensor fast path of nn.TransformerEncoder (corrections/fastpath.py): device copies of the nested "
-    "metadata (int32, bytes per row) and the nested flash/mem-efficient preprocessing are estimates; bf16 "
-    "nested_from_padded takes the CPU's generic buffers",
-    "flash split-KV / deterministic dq_accum splits on GPUs missing from SM_COUNTS (one split assumed)",
+    Gap("cuDNN attention workspace (cudnn_frontend graph.get_workspace_size(), chosen when the graph is built)",
+        ("_cudnn_attention",)),
+    Gap("cuDNN / libraries version on the target machine: ASSUMED_CUDNN_VERSION decides the cuDNN-first order",
+        _SDPA),
+    Gap("FA3/FA4 flash implementations activated with torch.nn.attention.activate_flash_attention_impl", _SDPA),
+    Gap("mem-efficient backward kernel choice limited by shared memory (sm86/89/12x may take smaller tiles)",
+        ("_efficient_attention_backward",)),
+    Gap("batch > 65535 chunking of the mem-efficient kernels", ("_efficient_attention",)),
+    Gap("nested-tensor inputs (the CPU path runs)", _NESTED),
+    Gap("CUDA-graph capture (seed/offset on device for mem-efficient)", ("_efficient_attention",)),
+    Gap("return_debug_mask=True (testing only)", _SDPA),
+    Gap("TORCH_CUDNN_SDPA_AVOID_RECOMPILE ragged offsets (small int tensors)", ("_cudnn_attention",)),
+    Gap("nested-tensor fast path of nn.TransformerEncoder (corrections/fastpath.py): device copies of the nested "
+        "metadata (int32, bytes per row) and the nested flash/mem-efficient preprocessing are estimates; bf16 "
+        "nested_from_padded takes the CPU's generic buffers", _NESTED),
+    Gap("flash split-KV / deterministic dq_accum splits on GPUs missing from SM_COUNTS (one split assumed)",
+        ("_flash_attention",)),
 ]
 
 # torch 2.13 CUDA 13 wheels pin nvidia-cudnn-cu13 9.20.0.48 (public pip logs quote "torch 2.13.0+cu132

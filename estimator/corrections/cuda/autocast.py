@@ -55,6 +55,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from estimator.categories import Target
+from estimator.corrections.cuda import Gap
 
 aten = torch.ops.aten
 AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
@@ -147,11 +148,9 @@ CPU_FP32 = (
 CPU_PROMOTE = ("stack", "cat", "index_copy", "index_copy.dimname")
 
 NOT_MODELLED = (
-    (
-        "mixed precision on CUDA: model code that enters torch.autocast('cuda', ...) itself (e.g. an "
+    Gap("mixed precision on CUDA: model code that enters torch.autocast('cuda', ...) itself (e.g. an "
         "enabled=False block) or reads torch.is_autocast_enabled()/get_autocast_gpu_dtype() sees the fake "
-        "run's CPU autocast state; tensors the model creates on the host are cast as if on the device"
-    ),
+        "run's CPU autocast state; tensors the model creates on the host are cast as if on the device"),
 )
 
 _BCE_BANNED = (

@@ -65,22 +65,30 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
 from estimator.categories import Target
+from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, numel, substitute
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
 # Short names of what the CUDA target does not model (details in the docstrings above/below).
-NOT_MODELLED: list[str] = [
-    "cuDNN convolution workspace (chosen at run time: its bound per call in its own note, corrections/cuda/cudnn.py)",
-    "cuDNN batch-norm workspace / reserve space (cuDNN size queries; channels-last training)",
-    "CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
-    "CUB scan / unique_by_key / exclusive_sum temporaries (look-back tile state, small)",
-    "CUB radix-sort histogram + look-back arrays (embedding backward: estimate is a lower bound)",
-    "SM-count branches on GPUs missing from estimator.target.gpus.SM_COUNTS: 132 SMs assumed",
-    "quack (cutlass-dsl) RMSNorm override, when installed: (sm_count, N) fp32 partial dw in backward",
-    "RMSNorm double backward (create_graph=True): composite backward, not _fused_rms_norm_backward",
-    "dropout on nested tensors (always native_dropout)",
+NOT_MODELLED: list[Gap] = [
+    Gap("cuDNN convolution workspace (chosen at run time: its bound per call in its own note, corrections/cuda/cudnn.py)",
+        ("convolution",)),
+    Gap("cuDNN batch-norm workspace / reserve space (cuDNN size queries; channels-last training)", ("batch_norm",)),
+    Gap("CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
+        ("aten.sum", "aten.mean", "norm.", "nll_loss", "aten.amax", "aten.amin", "aten.max.", "aten.min.",
+         "aten.prod", "aten.var", "aten.std", "aten.any", "aten.all")),
+    Gap("CUB scan / unique_by_key / exclusive_sum temporaries (look-back tile state, small)",
+        ("cumsum", "cumprod", "unique", "nonzero", "masked_select", "embedding_dense_backward")),
+    Gap("CUB radix-sort histogram + look-back arrays (embedding backward: estimate is a lower bound)",
+        ("sort", "embedding_dense_backward", "topk")),
+    Gap("SM-count branches on GPUs missing from estimator.target.gpus.SM_COUNTS: 132 SMs assumed"),
+    Gap("quack (cutlass-dsl) RMSNorm override, when installed: (sm_count, N) fp32 partial dw in backward",
+        ("_fused_rms_norm",)),
+    Gap("RMSNorm double backward (create_graph=True): composite backward, not _fused_rms_norm_backward",
+        ("_fused_rms_norm",)),
+    Gap("dropout on nested tensors (always native_dropout)", ("nested",)),
 ]
 
 # cudaDeviceProp.multiProcessorCount when the GPU's is unknown (H100 SXM / H200).  See NOT_MODELLED.

@@ -35,18 +35,20 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
+from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, substitute
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
 
-NOT_MODELLED: list[str] = [
-    "cuDNN RNN reserve space: an estimate (cudnnGetRNNTrainingReserveSize is a cuDNN query)",
-    "cuDNN RNN workspace (cudnnGetRNNTempSpaceSizes), forward and both backward passes",
-    "cuDNN RNN dropout state (~2 MB per device, cached once: get_dropout_state)",
-    "RNN weights not flattened into one buffer: a per-call copy of the weights (WEIGHT_FORMAT_WARN)",
-    "RNN without bias on CUDA: zeroed bias slots in the flattened weight buffer (parameter memory)",
-    "packed sequences (PackedSequence) and MIOpen: left on the CPU execution",
+_RNN = ("_cudnn_rnn", "lstm", "gru", "rnn_tanh", "rnn_relu")
+NOT_MODELLED: list[Gap] = [
+    Gap("cuDNN RNN reserve space: an estimate (cudnnGetRNNTrainingReserveSize is a cuDNN query)", _RNN),
+    Gap("cuDNN RNN workspace (cudnnGetRNNTempSpaceSizes), forward and both backward passes", _RNN),
+    Gap("cuDNN RNN dropout state (~2 MB per device, cached once: get_dropout_state)", _RNN),
+    Gap("RNN weights not flattened into one buffer: a per-call copy of the weights (WEIGHT_FORMAT_WARN)", _RNN),
+    Gap("RNN without bias on CUDA: zeroed bias slots in the flattened weight buffer (parameter memory)", _RNN),
+    Gap("packed sequences (PackedSequence) and MIOpen: left on the CPU execution", _RNN),
 ]
 
 # cudnnRNNMode_t (cudnn.h): CUDNN_RNN_RELU 0, CUDNN_RNN_TANH 1, CUDNN_LSTM 2, CUDNN_GRU 3
