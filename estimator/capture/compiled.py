@@ -95,7 +95,8 @@ class Compiled:
         are; ``aot_eager`` AOTAutograd's forward and backward graphs; a compiler its program)."""
         name = self.backend if isinstance(self.backend, str) else None
         if name == "eager":
-            return "Dynamo's graphs run eagerly, op by op (backend='eager': no AOTAutograd partition, no generated program)"
+            return ("Dynamo's graphs run eagerly, op by op (backend='eager': no AOTAutograd partition, no generated "
+                    "program)")
         if name in ("aot_eager", "aot_eager_decomp_partition"):
             return ("the forward and backward graphs as AOTAutograd partitions them, run eagerly op by op "
                     f"(backend={name!r}: no generated program)")

@@ -5,9 +5,9 @@ at every step of a loop), the engine sums them in that node's input buffer:
 ``torch/csrc/autograd/input_buffer.cpp`` ``accumulate()`` runs ``old.add_(new)`` when grad mode
 is off and ``can_accumulate_inplace(old)``: a plain (not subclass-like), non-overlapping and
 dense tensor whose last reference and whose storage's last reference the buffer holds (not a
-view: a view's base holds the storage too); else ``old + new``.  FakeTensors are subclass-like, so the capture always sees ``old + new``: one
-gradient-sized allocation too many at every sum (a pure-torch selective scan sums one per
-time step: Mamba +5 … +8 %).
+view: a view's base holds the storage too); else ``old + new``.  FakeTensors are subclass-like,
+so the capture always sees ``old + new``: one gradient-sized allocation too many at every sum
+(a pure-torch selective scan sums one per time step: Mamba +5 … +8 %).
 
 ``GradSums`` puts the real engine's choice back.  Every ``aten.add.Tensor`` the engine may have
 run (inside ``backward()``/``grad()``, grad mode off, two operands of the output's shape and

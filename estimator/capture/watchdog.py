@@ -164,8 +164,8 @@ def _supervise(pid: int, read: int, seconds: float, exit_code: int) -> int:
             elif time.monotonic() - heard >= seconds:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                sys.stderr.write(f"fxmem: error: {_stall_message(seconds, last)}; it was stuck in "
-                                 "native code that holds the interpreter (no Python thread could run) and was stopped\n")
+                sys.stderr.write(f"fxmem: error: {_stall_message(seconds, last)}; it was stuck in native code that "
+                                 "holds the interpreter (no Python thread could run) and was stopped\n")
                 return exit_code
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)

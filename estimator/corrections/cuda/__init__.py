@@ -24,5 +24,5 @@ def not_modelled(ran: Iterable[str] | None = None) -> tuple[str, ...]:
     from estimator.corrections.cuda import attention, autocast, kernels, optim, rnn
 
     ran = None if ran is None else set(ran)
-    return tuple(gap.text for module in (attention, autocast, kernels, optim, rnn) for gap in getattr(module, "NOT_MODELLED", ())
-                 if ran is None or gap.applies(ran))
+    gaps = (gap for module in (attention, autocast, kernels, optim, rnn) for gap in getattr(module, "NOT_MODELLED", ()))
+    return tuple(gap.text for gap in gaps if ran is None or gap.applies(ran))

@@ -73,8 +73,8 @@ aten = torch.ops.aten
 
 # Short names of what the CUDA target does not model (details in the docstrings above/below).
 NOT_MODELLED: list[Gap] = [
-    Gap("cuDNN convolution workspace (chosen at run time: its bound per call in its own note, corrections/cuda/cudnn.py)",
-        ("convolution",)),
+    Gap("cuDNN convolution workspace (chosen at run time: its bound per call in its own note, "
+        "corrections/cuda/cudnn.py)", ("convolution",)),
     Gap("cuDNN batch-norm workspace / reserve space (cuDNN size queries; channels-last training)", ("batch_norm",)),
     Gap("CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
         ("aten.sum", "aten.mean", "norm.", "nll_loss", "aten.amax", "aten.amin", "aten.max.", "aten.min.",
