@@ -20,7 +20,7 @@ from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
 from estimator.corrections.cuda import cudnn
-from estimator.errors import CaptureError, InputError
+from estimator.errors import CaptureError, FxmemError, InputError
 from estimator.report.result import Generated, ModuleRow, Piece, RankReport, Report
 from estimator.strategy import DEFAULT, Strategy, blocks, select
 from estimator.strategy.ranks import per_rank
@@ -202,7 +202,7 @@ def report(
     if not isinstance(dtype_symbols, bool):
         raise InputError(f"dtype_symbols must be True or False, got {dtype_symbols!r}")
     if not dtype_symbols:
-        return _result(request, _capture_step(request))
+        return _with_sample_sizes(request, _result(request, _capture_step(request)))
     dtype_formula.check(request)
     formula = _capture_formula(request)
 
@@ -502,6 +502,26 @@ def _result(request: _Request, step_: Captured) -> Report:
     if worst.report.cuda is not None:
         notes.append(cuda.run_note(worst.report.cuda))
     return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
+
+
+def _with_sample_sizes(request: _Request, rep: Report) -> Report:
+    """Under the default bound (``data_dependent='max'``), a report with sizes at their bound also
+    gets the same step at the sample's sizes (``Report.at_sample``): the bound is what "will it
+    fit" needs, the sample's what a run on it allocates.  The sample's sizes need a real forward
+    (real weights) unless the sample's own values fix them; where they cannot be had, a note says
+    why."""
+    policy = request.spec.data_dependent
+    bounded = {datadep.Source.BOUND, datadep.Source.BUDGET}
+    if policy != datadep.Policy() or not any(site.source in bounded for site in rep.data_dependent):
+        return rep
+    sampled = dataclasses.replace(request, spec=dataclasses.replace(request.spec,
+                                                                    data_dependent=datadep.Policy.of("sample")))
+    try:
+        at_sample = _result(sampled, _capture_step(sampled))
+    except FxmemError as exc:
+        why = f"the data-dependent sizes at the sample's values could not be had: {exc}"
+        return dataclasses.replace(rep, notes=(*rep.notes, why))
+    return dataclasses.replace(rep, at_sample=at_sample)
 
 
 def _capture_formula(request: _Request) -> Formula:

@@ -259,3 +259,34 @@ def test_transformers_eager_experts_replay_their_item_calls():
 
     rep = estimator.report(model(), {"input_ids": ids}, mode="inference", data_dependent="sample", device="cpu")
     assert rep.peak_bytes == measure_cpu(model(), {"input_ids": ids}, "inference", None).peak_bytes
+
+
+def test_the_bound_and_the_sample_side_by_side():
+    """Under the default bound a report also carries the step at the sample's sizes
+    (``Report.at_sample``), in its first lines and its JSON: here the head on the masked tokens,
+    15 % of them in the sample, against every token under the bound (ModernBERT's
+    ``sparse_prediction`` does the like).  The sample's own labels fix the count: the meta device
+    needs no probe."""
+    import json
+
+    class MaskedHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+        def forward(self, ids, labels):
+            return nn.functional.cross_entropy(self.head(self.emb(ids)[labels != -100]), labels[labels != -100])
+
+    ids = torch.randint(0, 100, (8, 64), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.rand(8, 64, generator=torch.Generator().manual_seed(1)) < 0.15, ids, -100)
+    sample, loss = (ids, labels), (lambda out, s: out)
+    rep = estimator.report(MaskedHead(), sample, loss_fn=loss, device="cpu")
+    measured = measure_cpu(MaskedHead(), sample, "train", "adamw", loss).peak_bytes
+    assert rep.at_sample.peak_bytes == measured < rep.peak_bytes  # the bound is above the run
+    assert rep.at_sample.max_batch("1MiB") > rep.max_batch("1MiB")
+    assert "at the sample's sizes (data_dependent='sample')" in str(rep).splitlines()[3]
+    assert json.loads(rep.to_json())["at_sample"]["peak_bytes"] == measured
+    with torch.device("meta"):
+        meta = MaskedHead()
+    assert estimator.report(meta, sample, loss_fn=loss, device="cpu").at_sample.peak_bytes == measured
+    assert estimator.report(MaskedHead(), sample, loss_fn=loss, device="cpu", data_dependent=0.5).at_sample is None

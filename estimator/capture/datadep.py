@@ -82,6 +82,9 @@ class Policy:
     sites: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     observed: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # site -> (n, upper)
     values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # the probe could not run (the weights are on the meta device): "sample" sizes the sample's own
+    # values do not fix are refused (``meta_weights``)
+    unprobed: bool = False
 
     @property
     def needs_probe(self) -> bool:
@@ -279,6 +282,8 @@ class DataDependent(TorchDispatchMode):
             return _per_row(upper, *known), Source.INPUTS, known
         if choice == SAMPLE:
             seen = self.policy.observed.get(key)
+            if seen is None and self.policy.unprobed:
+                raise meta_weights(f"the size of {key}")
             if seen is None:
                 return sympy.sympify(upper), Source.UNOBSERVED, None
             return _per_row(upper, *seen), Source.SAMPLE, seen
@@ -642,6 +647,13 @@ def _user_hooks_off(model: nn.Module):
                 getattr(m, name).update(table)
 
 
+def meta_weights(what: str) -> InputError:
+    """data_dependent='sample' needing a real forward of weights on the meta device."""
+    return InputError(f"data_dependent='sample' observes {what} on the sample with the model's weights, but they "
+                      "are on the meta device: use 'max' (the safe bound), a fraction, or numbers per site "
+                      "(report(..., data_dependent={'site': n}))")
+
+
 def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
     user's whole step) recording the
@@ -650,9 +662,7 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = Fal
     code keeps: a hook that changes a module's output changes what the probe sees, a limitation);
     a library's hooks do (``_user_hooks_off``)."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise InputError("data_dependent='sample' observes the sizes on the sample with the model's weights, "
-                         "but they are on the meta device: use 'max' (the safe bound), a fraction, or numbers per "
-                         "site (report(..., data_dependent={'site': n}))")
+        raise meta_weights("the sizes")
     names = {id(m): name for name, m in model.named_modules()}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     recorder = Probe(names)

@@ -136,7 +136,10 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
     probe_sample = _with_rows(sample, batch, spec.batch_dims) if symbolic else sample
     if policy.needs_probe:
-        spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
+        try:
+            spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
+        except InputError:  # the weights are on the meta device: the sample's own values may fix every size
+            spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
     try:
         return _capture(model, sample, spec, batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:

@@ -24,6 +24,7 @@ def table(rep) -> str:
         (f"peak: {format_bytes(rep.peak_bytes)} ({rep.peak_bytes:,} B) {where}" if rep.cuda is None
          else f"peak: {_on_device_text(rep)}\n      the allocated peak is {where}"),
         f"formula (bytes, {rep.path.value} capture, valid for {range_text(rep)}): {rep.peak}",
+        *_at_sample_lines(rep),
         "",
     ]
     if rep.ranks:
@@ -55,6 +56,16 @@ def table(rep) -> str:
         lines += ["", "guards: " + "; ".join(rep.guards)]
     lines += [f"note: {note}" for note in rep.notes]
     return "\n".join(lines)
+
+
+def _at_sample_lines(rep) -> list[str]:
+    """The peak with the sample's data-dependent sizes, beside the bound's."""
+    sample = rep.at_sample
+    if sample is None:
+        return []
+    return [f"data-dependent sizes at their upper bound (data_dependent='max', the safe default); at the sample's "
+            f"sizes (data_dependent='sample'): peak {format_bytes(sample.peak_bytes)} ({sample.peak_bytes:,} B), "
+            f"formula {sample.peak}"]
 
 
 def target_text(target) -> str:
@@ -162,6 +173,9 @@ def to_dict(rep) -> dict[str, Any]:
             for m in rep.modules
         ],
         "notes": list(rep.notes),
+        "at_sample": None if rep.at_sample is None else {
+            "peak_bytes": rep.at_sample.peak_bytes, "peak": str(rep.at_sample.peak),
+            "pieces": [coefficients(p.bytes) for p in rep.at_sample.pieces]},
         "strategy": rep.strategy.describe(),
         "multiple": rep.multiple,
         "ranks": [

@@ -128,6 +128,9 @@ class Report:
     # The data-dependent sizes the step used (``estimator.capture.datadep.Site``: the call site,
     # ``upper`` and ``used`` in b, and why), for ``report(data_dependent=)``.
     data_dependent: tuple = ()
+    # The default bound's report has data-dependent sizes at their upper bound: the same step with
+    # the sizes the sample gives (``data_dependent='sample'``), to read beside it; None otherwise.
+    at_sample: Report | None = field(default=None, repr=False, compare=False)
     generation: Generated | None = None  # mode="generate": new tokens, KV cache per token, where the peak is
     # report(dtype_symbols=True): the peak and its categories in b and the element width w of the
     # model's float dtype (``estimator.report.dtypes.DtypeFormula``).
