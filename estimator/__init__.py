@@ -12,6 +12,8 @@ Importing ``estimator`` does not import torch: the names that need it load on fi
 """
 
 import importlib
+import importlib.abc
+import sys
 
 from estimator.categories import Category, Mode, Phase, Target
 from estimator.errors import CaptureError, FxmemError, InputError
@@ -82,6 +84,26 @@ __all__ = [
     "unregister_op",
 ]
 __version__ = "0.1.0"
+
+
+class _TorchvisionFirst(importlib.abc.MetaPathFinder):
+    """Before ``torchvision`` is first imported (by transformers, timm, peft or the user), make
+    it importable where its C++ extension cannot load (PyPI's Linux torchvision is a CUDA build:
+    beside the CPU torch ``import torchvision`` raises "operator torchvision::nms does not
+    exist"): ``integrations._common.ensure_torchvision_importable``.  Once, then out of the way."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            from estimator.integrations._common import ensure_torchvision_importable
+
+            ensure_torchvision_importable()
+        return None
+
+
+if "torchvision" not in sys.modules and not any(isinstance(f, _TorchvisionFirst) for f in sys.meta_path):
+    sys.meta_path.insert(0, _TorchvisionFirst())
 
 
 def __getattr__(name: str):

@@ -183,3 +183,17 @@ def test_missing_package_names_the_extra(source, monkeypatch):
     monkeypatch.setitem(sys.modules, source, None)  # import raises ImportError
     with pytest.raises(InputError, match=rf"pip install 'fxmem\[{source}\]'"):
         integrations.build(source, "anything")
+
+
+def test_import_estimator_makes_the_libraries_importable():
+    """The README's venv has PyPI's torchvision (a CUDA build beside the CPU torch), which cannot
+    load its extension: after ``import estimator`` transformers' model classes, peft and timm
+    import as the README's examples use them (a fresh interpreter; importing estimator imports
+    no torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, estimator; assert 'torch' not in sys.modules; "
+            "from transformers import LlamaForCausalLM; from peft import LoraConfig; import timm")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
