@@ -308,4 +308,16 @@ def test_cpu_target_has_none_of_the_cuda_entries():
     bn = aten.native_batch_norm.default
     assert corrections.registered(Target.CPU)[bn] is not corrections.registered(Target.CUDA)[bn]
     assert not {F.dropout, torch.dropout, F.rms_norm, torch._VF.lstm} & set(corrections.substitutes(Target.CPU))
-    assert all(isinstance(s, str) and s for s in kernels.NOT_MODELLED + rnn.NOT_MODELLED)
+    assert all(isinstance(g.text, str) and g.text for g in kernels.NOT_MODELLED + rnn.NOT_MODELLED)
+
+
+def test_cublas_clones_a_matrix_it_cannot_read():
+    """``prepare_matrix_for_cublas`` (cuda/Blas.cpp): dense or leading-dimension layouts are used
+    as they are, anything else (an expanded gradient, stride 0) is cloned contiguous."""
+    from estimator.corrections.cuda.blas import clone_bytes
+
+    base = torch.empty(4, 64)
+    assert clone_bytes(torch.empty(4, 16)) == 0 and clone_bytes(torch.empty(16, 4).t()) == 0
+    assert clone_bytes(base[:, :16]) == 0  # strides (64, 1): leading dimension 64 >= 16
+    assert clone_bytes(torch.ones(()).expand(4, 4)) == 4 * 4 * 4  # stride (0, 0): a clone
+    assert clone_bytes(base[:, ::2][:, :16]) == 16 * 4 * 4  # strides (64, 2): neither stride is 1

@@ -144,7 +144,7 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         return _capture(model, sample, spec, batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:
         if spec.data_dependent.observed or spec.data_dependent.values:
-            raise _unreached(exc) from None
+            raise _unreached(exc, spec.data_dependent) from None
         try:
             probed = _probed(model, probe_sample, spec)
         except InputError:
@@ -157,7 +157,7 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     try:
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:
-        raise _unreached(exc) from None
+        raise _unreached(exc, probed) from None
 
 
 def _at(exc: BaseException) -> str:
@@ -165,8 +165,10 @@ def _at(exc: BaseException) -> str:
     return f"{exc}{f' (at {where})' if where else ''}"
 
 
-def _unreached(exc: datadep.NeedsProbe) -> CaptureError:
-    return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it")
+def _unreached(exc: datadep.NeedsProbe, policy: datadep.Policy) -> CaptureError:
+    hint = ("; sizes at their bound change which values a step reads (a loop over the experts a router chose): "
+            "data_dependent='sample' captures the program the sample runs" if not policy.needs_probe else "")
+    return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it{hint}")
 
 
 def _with_rows(sample: Any, batch: int, batch_dims: tuple[int, ...] | None) -> Any:

@@ -12,6 +12,7 @@ known -- it follows the sample alone (``shadows.py``) -- and as before (the trac
 safe over-estimate) where it is not.
 
 Sites (docs/design.md, "Checks for tracing"):
+- torch ``Tensor.__format__`` (``type(self) is Tensor``): a 0-dim tensor in an f-string;
 - transformers ``utils.import_utils.is_fake_tensor`` (what ``is_tracing(tensor)`` asks): the
   masks of ``masking_utils`` (``_ignore_causal_mask_sdpa``, ``_ignore_bidirectional_mask_sdpa``:
   a causal (b, 1, s, s) mask built for an all-ones attention mask), ``find_packed_sequence_indices``,
@@ -40,10 +41,25 @@ def _is_fake_tensor(x) -> bool:
     return isinstance(x, FakeTensor) and not _known(x)
 
 
+def _format(self, format_spec):
+    """``Tensor.__format__`` (torch/_tensor.py) formats a 0-dim tensor as its number only when
+    ``type(self) is Tensor``: a fake stand-in of a plain tensor would print as a repr
+    (transformers' Switch router: ``self[f"expert_{expert_idx[0]}"]``).  It takes the real
+    tensor's branch, its value read as ``.item()`` is (``datadep``)."""
+    if type(self) is FakeTensor and self.dim() == 0:
+        return self.detach().item().__format__(format_spec)
+    return _TENSOR_FORMAT(self, format_spec)
+
+
+_TENSOR_FORMAT = torch.Tensor.__format__
+
+
 @contextlib.contextmanager
 def as_for_real():
-    """Answer the tensor checks of the libraries already imported as for real tensors (above)."""
-    patched = []
+    """Answer the tensor checks of torch and of the libraries already imported as for real
+    tensors (above)."""
+    patched = [(torch.Tensor, "__format__", _TENSOR_FORMAT)]
+    torch.Tensor.__format__ = _format
     utils = sys.modules.get("transformers.utils.import_utils")
     if utils is not None and hasattr(utils, "is_fake_tensor"):
         patched.append((utils, "is_fake_tensor", utils.is_fake_tensor))
