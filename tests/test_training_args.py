@@ -21,7 +21,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 import estimator
 from estimator import InputError, Strategy
