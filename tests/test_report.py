@@ -172,3 +172,21 @@ def test_format_bytes(n, expected):
 @pytest.mark.gpu
 def test_cuda_available_for_gpu_marker():
     assert torch.cuda.is_available()
+
+
+def test_every_batch_up_to_max_batch_fits():
+    """Reserved memory is not monotonic in b: the 8 sizes below the bisection's answer are replayed
+    too.  The device takes 10·m + 5, but 110 at m = 7 (a segment rounded up): with a limit of 100,
+    m = 8 fits (85) but 7 does not, so the answer is 6, whose 8 sizes below are checked again."""
+    from estimator.report.result import every_smaller_fits
+
+    checked = []
+
+    def device(m):
+        checked.append(m)
+        return 110 if m == 7 else 10 * m + 5
+
+    assert every_smaller_fits(8, 2, device, 100) == 6
+    assert checked[:7] == [8, 7, 6, 5, 4, 3, 2] and 7 not in checked[7:]
+    assert every_smaller_fits(30, 2, lambda m: 200 if m < 10 else 5, 100) == 30  # 9 is 21 below: not looked at
+    assert every_smaller_fits(3, 2, lambda m: 200, 100) == 0

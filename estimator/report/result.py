@@ -260,15 +260,19 @@ class Report:
 
         return predict(self.timeline.at_s(self.seq if s is None else s), b, self.target)
 
-    def _device_fits(self, b: int | None, s: int | None, limit: int) -> bool:
-        """CUDA: whether the run at ``b`` and ``s`` fits ``limit`` bytes of device memory (False
-        where the allocator model runs out of memory: a ``per_process_memory_fraction`` cap)."""
+    def _device_bytes(self, b: int | None, s: int | None, limit: int) -> int:
+        """CUDA: the device bytes of the run at ``b`` and ``s``; ``limit + 1`` where the allocator
+        model runs out of memory (a ``per_process_memory_fraction`` cap)."""
         from estimator.target.cuda_allocator import OutOfMemory
 
         try:
-            return self.on_device(b, s).device <= limit
+            return self.on_device(b, s).device
         except OutOfMemory:
-            return False
+            return limit + 1
+
+    def _device_fits(self, b: int | None, s: int | None, limit: int) -> bool:
+        """CUDA: whether the run at ``b`` and ``s`` fits ``limit`` bytes of device memory."""
+        return self._device_bytes(b, s, limit) <= limit
 
     def _budget(self, budget: int | str | None) -> int:
         if budget is not None:
@@ -287,8 +291,10 @@ class Report:
 
         CPU: exact, ``min_i floor((budget - a_i) / c_i)`` over the linear pieces ``a_i + c_i·b``.
         CUDA: the budget is the device's memory (default: the GPU's); the inverted formula
-        bounds the answer from above and the allocator replay finds the largest ``b`` whose
-        ``device_bytes`` fit (bisection: reserved memory grows with ``b``).
+        bounds the answer from above, the allocator replay finds by bisection a ``b`` whose
+        ``device_bytes`` fit, and the 8 batches below it are replayed too (reserved memory is not
+        monotonic in ``b``): each of them fits; further below, the answer assumes the allocator
+        wastes no more than 8 batches' worth of tensors more than it does there.
         """
         if new_tokens is not None:
             return self._generating(new_tokens).max_batch(budget, s)
@@ -305,8 +311,9 @@ class Report:
         if self.cuda is None:
             return best
         k = self.multiple  # bisect over multiples of k: b = k·n
-        n = _bisect(lambda n: self._device_fits(k * n, s, limit), -(-self.valid_from // k), best // k)
-        return k * n
+        first = -(-self.valid_from // k)
+        n = _bisect(lambda n: self._device_fits(k * n, s, limit), first, best // k)
+        return k * every_smaller_fits(n, first, lambda m: self._device_bytes(k * m, s, limit), limit)
 
     def max_seq(self, budget: int | str | None = None, b: int | None = None) -> int:
         """The largest sequence length whose step fits in ``budget`` at batch size ``b``
@@ -389,6 +396,25 @@ class RankReport:
     role: str
     ranks: tuple[int, ...]
     report: Report
+
+
+CHECKED_BELOW = 8  # sizes below the bisection's answer replayed (every_smaller_fits)
+
+
+def every_smaller_fits(n: int, first: int, device, limit: int) -> int:
+    """The largest ``m <= n`` such that ``device(m') <= limit`` for ``m' = m`` and the
+    ``CHECKED_BELOW`` sizes below it (0 if none).  ``device`` is not monotonic (the caching
+    allocator rounds segments to 2 or 20 MiB and fits blocks best-first): a size just below the
+    bisection's ``n`` can take more.  Further below, the tensors alone are 8 batches' worth
+    smaller: the answer assumes the allocator's overhead does not grow by more than that (stated
+    in ``max_batch``)."""
+    answer = n
+    for m in range(n, max(first, n - CHECKED_BELOW) - 1, -1):
+        if device(m) > limit:
+            answer = m - 1
+    if answer < n:  # a failure below: the sizes below the new answer are checked again
+        return every_smaller_fits(answer, first, device, limit) if answer >= first else 0
+    return answer if answer >= first else 0
 
 
 def _bisect(fits, lo: int, hi: int) -> int:
