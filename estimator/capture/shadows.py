@@ -38,15 +38,28 @@ def _hint_shape(t: torch.Tensor) -> tuple:
     return tuple(hint(s) for s in t.shape)
 
 
+def _tensors(args, kwargs) -> list:
+    """The tensor arguments of an aten op, written out (it runs for every op): tensors and lists
+    of tensors, the forms an op's schema takes."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, torch.Tensor))
+    return found
+
+
 class Shadows:
     """Real tensors for fake ones, kept alongside the capture (``DataDependent`` owns one)."""
 
     def __init__(self) -> None:
         self._real = WeakIdKeyDictionary()
+        self._seeded = False  # any shadow given yet (an op with no shadowed input is then not looked at)
         self._stale: set[int] = set()  # fake storages written by an op the shadows did not follow
 
     def __bool__(self) -> bool:
-        return len(self._real) > 0
+        return self._seeded
 
     def get(self, fake: torch.Tensor) -> torch.Tensor | None:
         real = self._real.get(fake)
@@ -85,12 +98,12 @@ class Shadows:
             real = real.index_select(dim, rows)
         if tuple(real.shape) == shape and real.numel() <= _LIMIT:
             self._real[fake] = real.detach()
+            self._seeded = True
 
     def follow(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on fake tensors: run it on the shadows where every tensor argument
         has one, and shadow its outputs; else mark what it wrote as stale."""
-        leaves = tree_flatten((args, kwargs))[0]
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         followed = (not tensors or all(self.get(t) is not None for t in tensors)) and self._followable(func, out)
         if followed:
             followed = self._run(func, args, kwargs, out)
