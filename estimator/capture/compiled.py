@@ -115,8 +115,6 @@ class Compiled:
 
 def _skipped_top_frame(module: nn.Module) -> bool:
     """Whether Dynamo skips ``module``'s forward as a top frame (OptimizedModule's test)."""
-    import types
-
     from torch._dynamo import config, trace_rules
 
     return config.wrap_top_frame or (isinstance(module.forward, types.MethodType)

@@ -255,14 +255,13 @@ class DataDependent(TorchDispatchMode):
         return out
 
     # -- sizes --------------------------------------------------------------------------
-    def size(self, op: str, upper, mask: torch.Tensor | None = None, known: tuple[int, int] | None = None):
-        """The size to use for one data-dependent call (an int or SymInt), recorded as a site.
-        ``known``: ``(n, bound)`` at the capture's hint where the sample's own values fix it
-        (``shadows.py``); else the count of ``mask``'s nonzeros where its shadow has them."""
+    def size(self, op: str, upper, mask: torch.Tensor | None = None):
+        """The size to use for one data-dependent call (an int or SymInt), recorded as a site; the
+        count of ``mask``'s nonzeros where the sample's own values fix it (its shadow,
+        ``shadows.py``)."""
         key = self._sites.key(op)
         pool = self._budget.get(mask) if mask is not None else None
-        if known is None and mask is not None:
-            known = self.shadows.count(mask)
+        known = self.shadows.count(mask) if mask is not None else None
         used, source, observed = self._choose(key, as_expr(upper), known)
         if pool is not None and source is Source.BOUND:
             left = pool[0]

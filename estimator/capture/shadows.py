@@ -83,12 +83,6 @@ class Shadows:
         with _disable_current_modes():
             return int(real.count_nonzero()), real.numel()
 
-    def set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        """``real`` as the shadow of ``fake`` (an op whose outputs a handler made)."""
-        if tuple(real.shape) == _hint_shape(fake):
-            self._real[fake] = real
-            self._stale.discard(fake.untyped_storage()._cdata)
-
     def seed(self, fake: torch.Tensor, real: torch.Tensor, dim: int = 0) -> None:
         """``real`` (a sample tensor) as the shadow of its fake copy ``fake``: rows repeated along
         ``dim`` to the fake's hint where they differ."""
