@@ -375,6 +375,13 @@ def is_gemm_ready(t: torch.Tensor) -> bool:
     return _row_major(sizes, strides)
 
 
+def leading_dimension_ok(stride, size) -> bool | None:
+    """BLAS's ``stride >= max(1, size)``, decided on the expressions (sizes are positive; no guard),
+    None where it cannot be."""
+    decided = sympy.Ge(sympy.sympify(stride), sympy.Max(1, sympy.sympify(size)))
+    return bool(decided) if decided in (sympy.true, sympy.false) else None
+
+
 def _row_major(sizes, strides) -> bool:
     expected = 1
     for size, stride in reversed(list(zip(sizes, strides))):

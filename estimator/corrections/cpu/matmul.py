@@ -19,11 +19,11 @@ an AVX-512 host, which was −1.7 to −2.3 % of checkpointed bf16 steps.  They 
 
 from __future__ import annotations
 
-import sympy
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, in_reduced_precision, is_gemm_ready
+from estimator.corrections.registry import (MEASURE, NO_FIX, Fix, correction, in_reduced_precision, is_gemm_ready,
+                                           leading_dimension_ok)
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
@@ -48,19 +48,14 @@ def _copies(m1: torch.Tensor, m2: torch.Tensor):
     total = 0
     for t, (lead_a, lead_b) in ((m1, (m, k)), (m2, (k, n))):
         strides = [as_expr(x) for x in t.stride()]
-        usable = [strides[i] == 1 and _ge(strides[j], lead_a), strides[j] == 1 and _ge(strides[i], lead_b)]
+        usable = [strides[i] == 1 and leading_dimension_ok(strides[j], lead_a),
+                  strides[j] == 1 and leading_dimension_ok(strides[i], lead_b)]
         if any(u is True for u in usable):
             continue
         if any(u is None for u in usable):
             return None
         total += as_expr(t.numel()) * t.element_size()
     return total
-
-
-def _ge(stride, size):
-    """``stride >= max(1, size)`` decided on the expressions (sizes are positive), else None."""
-    decided = sympy.Ge(sympy.sympify(stride), sympy.Max(1, sympy.sympify(size)))
-    return bool(decided) if decided in (sympy.true, sympy.false) else None
 
 
 def _fix(args, kwargs, m1: torch.Tensor, m2: torch.Tensor, batched: bool) -> Fix:

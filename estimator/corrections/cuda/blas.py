@@ -13,19 +13,13 @@ differ: cpu/matmul.py.)
 
 from __future__ import annotations
 
-import sympy
 import torch
 
 from estimator.categories import Target
-from estimator.corrections.registry import NO_FIX, Fix, correction, is_gemm_ready
+from estimator.corrections.registry import NO_FIX, Fix, correction, is_gemm_ready, leading_dimension_ok
 from estimator.symbolic import as_expr
 
 aten = torch.ops.aten
-
-
-def _ge(a, b) -> bool | None:
-    decided = sympy.Ge(sympy.sympify(a), sympy.Max(1, sympy.sympify(b)))
-    return bool(decided) if decided in (sympy.true, sympy.false) else None
 
 
 def clone_bytes(t: torch.Tensor):
@@ -33,7 +27,7 @@ def clone_bytes(t: torch.Tensor):
     if is_gemm_ready(t):
         return 0
     (rows, cols), (s0, s1) = (as_expr(x) for x in t.shape), (as_expr(x) for x in t.stride())
-    if (s0 == 1 and _ge(s1, rows)) or (s1 == 1 and _ge(s0, cols)):
+    if (s0 == 1 and leading_dimension_ok(s1, rows)) or (s1 == 1 and leading_dimension_ok(s0, cols)):
         return 0
     return as_expr(t.numel()) * t.element_size()
 
