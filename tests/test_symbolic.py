@@ -283,19 +283,9 @@ def test_a_batch_dependent_program_is_reported_at_its_batch(mode, b):
 def test_reformer_inference_loops_over_its_batch(b):
     """transformers Reformer's axial position encodings loop over the batch in eval: reported at
     the batch, exact (tolerance: 0 B)."""
-    transformers = pytest.importorskip("transformers")
-    from estimator.integrations._common import ensure_torchvision_importable
+    pytest.importorskip("transformers")
+    from validators.outside import reformer as make, reformer_sample
 
-    ensure_torchvision_importable()
-    config = transformers.ReformerConfig(
-        vocab_size=128, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        axial_pos_shape=(4, 8), axial_pos_embds_dim=(16, 16), max_position_embeddings=32, attn_layers=["local", "lsh"],
-        local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4, is_decoder=True)
-
-    def make():
-        torch.manual_seed(0)
-        return transformers.ReformerModelWithLMHead(config).eval()
-
-    sample = {"input_ids": torch.randint(0, 128, (b, 32), generator=torch.Generator().manual_seed(1))}
+    sample = reformer_sample(b)
     rep = estimator.report(make(), sample, mode="inference", device="cpu")
     assert rep.peak_bytes == measure_cpu(make(), sample, mode="inference").peak_bytes

@@ -17,29 +17,7 @@ from estimator import step
 from validators.cpu import measure_cpu, measure_user_step
 
 transformers = pytest.importorskip("transformers")
-VOCAB, IMAGE_TOKEN = 128, 127
-
-
-def _make():
-    from estimator.integrations._common import ensure_torchvision_importable
-
-    ensure_torchvision_importable()
-    t = transformers
-    vision = t.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=32, patch_size=16, projection_dim=32)
-    text = t.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    config = t.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                           vision_feature_layer=-2)
-    torch.manual_seed(0)
-    return t.LlavaForConditionalGeneration(config)
-
-
-def _sample(b: int, labels: bool = True) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB - 2, (b, 16), generator=torch.Generator().manual_seed(1))
-    ids[:, 1:5] = IMAGE_TOKEN  # a 32 x 32 image in 16 x 16 patches: 4 image tokens
-    sample = {"input_ids": ids, "pixel_values": torch.randn(b, 3, 32, 32), "attention_mask": torch.ones_like(ids)}
-    return sample | ({"labels": ids.clone()} if labels else {})
+from validators.outside import llava as _make, llava_sample as _sample  # noqa: E402 (needs transformers)
 
 
 def _state(model):

@@ -17,24 +17,7 @@ from torch import nn
 import estimator
 from estimator.capture import watchdog
 from validators.cpu import measure_cpu
-
-
-class ScaledInPlace(nn.Module):
-    """``F.linear`` on a 3-D input returns a view of ``addmm``'s output; ``mul_`` with a Python
-    number on it keeps the wrapped number in the node ``CopySlices`` holds on the view's base."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.fc(x)
-        h.mul_(0.5)
-        return self.fc2(h)
-
-
-def _sum(out, sample):
-    return out.sum()
+from validators.outside import ScaledInPlace, sum_loss as _sum
 
 
 @pytest.mark.parametrize("b", [2, 17])
