@@ -213,11 +213,11 @@ def predict(case: str) -> estimator.Report:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_a_real_trainer(tmp_path, case):
-    """Measured on CPU (``python -m validators.trainer`` prints the same rows): error of the raw peak
-    -0.04 % (plain), -0.05 % (checkpointing), -0.04 % (bf16), -0.05 % (LoRA).  The prediction plus the
-    micro-batch the dataloader holds ahead is exact to the byte in every case (with checkpointing
-    the capture used to hold a (4, 1, 32, 32) causal mask the real run never makes: transformers'
-    ``is_tracing`` was true for a FakeTensor; estimator/capture/tracing.py)."""
+    """Measured on CPU (``python -m validators.trainer`` prints the same rows): exact to the byte in
+    every case, the micro-batch accelerate's dataloader holds ahead counted (it shares the CPU's
+    allocator); with checkpointing the capture used to hold a (4, 1, 32, 32) causal mask the real
+    run never makes (transformers' ``is_tracing`` was true for a FakeTensor;
+    estimator/capture/tracing.py)."""
     from validators.trainer import measure_trainer
 
     make, extra = CASES[case]
@@ -228,10 +228,9 @@ def test_matches_a_real_trainer(tmp_path, case):
     assert abs(error) <= TOLERANCE, f"predicted {rep.peak_bytes:,} B, measured {m.peak_bytes:,} B ({error:+.3%})"
     assert rep.batch == B * K and rep.multiple == K  # b: the optimizer step's batch
     assert measured.batch_bytes == 2 * B * S * 8  # input_ids and labels, int64: the next micro-batch
-    assert f"next micro-batch while the step runs ({measured.batch_bytes:,} B" in rep.notes[-1]  # said, not counted
-    gap = m.peak_bytes - (rep.peak_bytes + measured.batch_bytes)
-    assert gap == 0, (f"measured {m.peak_bytes:,} B = predicted {rep.peak_bytes:,} + next micro-batch "
-                          f"{measured.batch_bytes:,} + {gap:,} B")
+    assert f"next micro-batch while the step runs ({measured.batch_bytes:,} B" in rep.notes[-1]
+    assert "counted" in rep.notes[-1]
+    assert rep.peak_bytes == m.peak_bytes  # tolerance: 0 B
 
 
 def test_what_the_mapping_changes():
@@ -251,7 +250,10 @@ def test_what_the_mapping_changes():
                                 device="cpu")
     assert plain.peak_piece.op == explicit.peak_piece.op == "aten._log_softmax_backward_data.default"
     activations = estimator.Category.ACTIVATION
-    assert explicit.breakdown[activations] - plain.breakdown[activations] == B * S * VOCAB * 4 - (4 - 2) * 4
+    # ... and the micro-batch accelerate's loader holds ahead (input_ids and labels, int64), which
+    # from_training_args counts on the CPU among the activations (made before the model's call)
+    ahead = 2 * B * S * 8
+    assert explicit.breakdown[activations] - plain.breakdown[activations] == B * S * VOCAB * 4 - (4 - 2) * 4 - ahead
     model = lora()
     trainable = [p for p in model.parameters() if p.requires_grad]
     adapters = sum(p.numel() for p in trainable)

@@ -488,8 +488,9 @@ def trainer_step(max_grad_norm: float | None = 1.0, *, accumulate: int = 1, amp:
     checkpointing changes the model, not the step: ``from_training_args`` applies it).
 
     Not part of the step: the next micro-batch, which accelerate's ``DataLoaderShard`` fetches
-    one ahead (host memory: on a CPU run one more micro-batch is alive, on a GPU it waits on the
-    host), and ``num_items_in_batch`` being computed before the step rather than in it.
+    one ahead (host memory: on a CPU run one more micro-batch is alive, which ``from_training_args``
+    counts; on a GPU it waits on the host), and ``num_items_in_batch`` being computed before the
+    step rather than in it.
     """
     if args is not None:
         settings = training_settings(args, device=device)
@@ -938,21 +939,36 @@ def from_training_args(model: nn.Module, args: Any, sample: Any = None, *, world
     sample = _trainer_sample(trained, settings.micro_batch) if sample is None else _collated(sample)
     if report_kwargs.get("batch") is None:
         report_kwargs["batch"] = settings.batch
+    step_fn = trainer_step(settings.max_grad_norm, accumulate=settings.accumulate, amp=settings.amp,
+                           device=_device_type(device), nan_inf_filter=settings.nan_inf_filter)
+    on_cpu = _device_type(device) == "cpu"
     rep = estimator.report(
         trained, sample,
-        step=trainer_step(settings.max_grad_norm, accumulate=settings.accumulate, amp=settings.amp,
-                          device=_device_type(device), nan_inf_filter=settings.nan_inf_filter),
+        step=_with_next_micro_batch(step_fn, settings.accumulate) if on_cpu else step_fn,
         optimizer=trainer_optimizer(args=args, device=_device_type(device)),
         strategy=settings.strategy if settings.accumulate > 1 else None,
         **report_kwargs)
     tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
     rows = max((t.shape[0] for t in tensors), default=1)
     ahead = sum(t.untyped_storage().nbytes() for t in tensors) * (rep.batch // settings.accumulate) // rows
-    where = ("part of the CPU's peak and not counted: the prediction is that much under" if rep.device == "cpu"
-             else "host memory, not the GPU's")
+    where = ("counted: on the CPU it shares the allocator (a copy of one micro-batch made as the step starts and "
+             "alive to its end: among the activations)" if on_cpu else "host memory, not the GPU's")
     loader = (f"accelerate's DataLoaderShard fetches the next micro-batch while the step runs ({ahead:,} B at "
               f"b = {rep.batch}): {where}")
     return dataclasses.replace(rep, notes=(*rep.notes, *settings.notes, loader))
+
+
+def _with_next_micro_batch(step_fn, k: int):
+    """``step_fn`` with the micro-batch accelerate's ``DataLoaderShard`` holds ahead alive through
+    the whole step (it fetches the next batch before it yields the current one): a copy of one of
+    the step's ``k`` micro-batches, made first and dropped last."""
+
+    def step(model: nn.Module, batch: dict[str, torch.Tensor], state: Any) -> None:
+        ahead = {key: t.clone() if isinstance(t, torch.Tensor) else t for key, t in _micro_batches(batch, k)[0].items()}
+        step_fn(model, batch, state)
+        del ahead
+
+    return step
 
 
 def _strategy_call(strategy: Any) -> str:
