@@ -135,8 +135,8 @@ def test_matches_measured_ranks(width, layers, world, sharding):
                            strategy=Strategy(data_parallel=world, sharding=sharding), device="cpu")
     predicted = {r: rr.report.peak_bytes for rr in rep.ranks for r in rr.ranks}
     # A gloo worker thread sometimes drops a collective's buffer late (racy; see the module's
-    # NOT_MODELLED): a rank off by more than MAX_TOL is measured again, up to 5 runs (under a loaded machine the late drop repeats), and its
-    # lowest peak kept.
+    # NOT_MODELLED): a rank off by more than MAX_TOL is measured again, up to 5 runs (on a loaded
+    # machine the late drop repeats), and its lowest peak kept.
     measured: dict[int, int] = {}
     for _ in range(5):
         for m in measure_ranks("fsdp2", world, build, batch, reshard_after_forward=sharding == "zero3"):
