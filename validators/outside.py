@@ -25,6 +25,7 @@ from torch import nn
 import estimator
 from estimator import step
 from validators.cpu import measure_cpu, measure_user_step
+from validators.steps import Row
 
 BATCHES = (2, 8, 32)
 VOCAB = 128
@@ -266,18 +267,6 @@ CASES: dict[str, Case] = {
     "complex-valued weights, inference": Case(_fixed(ComplexWeights), _randn(16), mode="inference",
                                               what="abs's complex temporary (27.8)"),
 }
-
-
-@dataclass(frozen=True)
-class Row:
-    case: str
-    batch: int
-    predicted: int
-    measured: int
-
-    @property
-    def error(self) -> float:
-        return 100 * (self.predicted - self.measured) / self.measured
 
 
 def run_case(name: str, batch: int) -> Row:
