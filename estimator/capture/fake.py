@@ -314,7 +314,7 @@ class RealTensors(TorchDispatchMode):
                 f"{_first(listed)}",)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        watchdog.beat(func)
+        watchdog.beat(func)  # the one beat of a capture: this mode is on wherever its step runs ops
         kwargs = kwargs or {}
         if (_has_real(args) or kwargs and _has_real(kwargs.values())) and func not in _LIFTS:
             args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))

@@ -153,7 +153,7 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
                 raise CaptureError(f"{_at(exc)}; the model's weights are on the meta device, so fxmem cannot run "
                                    "it: build it with real (e.g. random) weights (command line: --device-init cpu)"
                                    ) from None
-            return _stood_in(model, stand_in, sample, spec, batch, symbolic, seq_dims)
+            return _stood_in(model, stand_in, sample, probe_sample, spec, batch, symbolic, seq_dims)
     try:
         return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:
@@ -183,13 +183,13 @@ def _with_rows(sample: Any, batch: int, batch_dims: tuple[int, ...] | None) -> A
                            for t, d in zip(leaves, dims)], spec)
 
 
-def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
-              seq_dims) -> RawCapture:
+def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, probe_sample: Any, spec: StepSpec, batch: int,
+              symbolic: bool, seq_dims) -> RawCapture:
     """``generate()`` of a model on the meta device, its data-dependent values those of
     ``generation.narrow_stand_in``'s real run (noted); refused where the capture needs
     data-dependent sizes too (an MoE's routing: there the values follow the weights)."""
     real_weights = "build it with real (e.g. random) weights (command line: --device-init cpu)"
-    probed = _probed(stand_in, _with_rows(sample, batch, spec.batch_dims) if symbolic else sample, spec)
+    probed = _probed(stand_in, probe_sample, spec)
     try:
         raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
     except datadep.NeedsProbe as exc:  # a value the stand-in's run did not ask: one that follows the weights

@@ -2,9 +2,9 @@
 
 The capture runs the user's code on fake tensors, and code that runs fine on real tensors can
 loop or wait on fake ones (a loop whose exit reads a value fake tensors cannot know, a lock a
-library takes around a tensor the capture reads).  The dispatch modes call ``beat`` for every
-op; ``Watchdog`` watches the beats from a thread of its own and, when none came for
-``timeout()`` seconds, raises ``Stalled`` in the capturing thread
+library takes around a tensor the capture reads).  The capture's ``RealTensors`` mode and the
+probe's mode call ``beat`` for every op; ``Watchdog`` watches the beats from a thread of its own
+and, when none came for ``timeout()`` seconds, raises ``Stalled`` in the capturing thread
 (``PyThreadState_SetAsyncExc``), which leaves as a ``CaptureError`` naming the last op.
 
 That reaches a thread running Python (a loop) or waiting in C++ with the GIL released.  A C++
@@ -54,7 +54,7 @@ def timeout() -> float:
 
 
 def beat(func) -> None:
-    """An op was dispatched (called by the capture's dispatch modes for every op)."""
+    """An op was dispatched (called by ``RealTensors`` and the probe's mode for every op)."""
     global _count, _last
     _count += 1
     _last = func
