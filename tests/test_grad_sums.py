@@ -26,8 +26,9 @@ def test_the_engine_is_restored_after_the_capture():
     assert torch.autograd.variable.Variable._execution_engine is engine
 
 
-def test_mamba_selective_scan_trains_exactly():
+@pytest.mark.parametrize("b", [4, 16])  # 16: the conv1d's backend guard starts the formula there
+def test_mamba_selective_scan_trains_exactly(b):
     pytest.importorskip("transformers")
-    sample = mamba_sample(4)
+    sample = mamba_sample(b)
     assert estimator.report(mamba(), sample, mode="train", device="cpu").peak_bytes == \
         measure_cpu(mamba(), sample).peak_bytes  # 255 sums in place

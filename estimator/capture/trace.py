@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections, custom_ops, step
 from estimator.capture import compiled, datadep, generation, tracing
-from estimator.capture.fake import (RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
+from estimator.capture.fake import (SIZE_MAX, RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
                                     sample_rows)
 from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
@@ -375,6 +375,10 @@ def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set
         return cpu_target.price(calls, tracker.storages, tracker.ops, batch=micro)
     canonical = {shape_env.replace(s) for s in batch}
     symbol = next(iter(canonical))
+    valid_from, _ = _symbol_range(shape_env, batch, "batch size", SymbolicCaptureFailed)
+    to_b = {s: B for s in canonical | set(batch)}  # the micro-batch's range (the kernels run at micro-batches)
+    valid_from, _ = _narrow(valid_from, None, [g.expr.xreplace(to_b) for g in shape_env.guards
+                                               if g.expr.free_symbols & set(to_b)], B)
 
     def values(m: int) -> dict:  # every symbol that is a function of the batch alone, at batch m
         at_m = {c: sympy.Integer(m) for c in canonical}
@@ -383,7 +387,8 @@ def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set
         return {s: v for s, v in subs.items() if v.is_Integer} | at_m
 
     values = functools.cache(values)
-    return cpu_target.price(calls, tracker.storages, tracker.ops, batch=micro, symbol=symbol, values=values)
+    return cpu_target.price(calls, tracker.storages, tracker.ops, batch=micro, symbol=symbol, values=values,
+                            valid_from=valid_from)
 
 
 @contextlib.contextmanager
@@ -766,7 +771,7 @@ def _symbol_range(shape_env: ShapeEnv, symbols, what: str, error: type) -> tuple
         if value_range.lower == value_range.upper:
             raise error(f"the model's code fixes the {what} (to {value_range.lower})")
         lo = max(lo, int(value_range.lower))
-        if value_range.upper.is_Integer:  # else int_oo: unbounded
+        if value_range.upper.is_Integer and value_range.upper < SIZE_MAX:  # else unbounded
             hi = int(value_range.upper) if hi is None else min(hi, int(value_range.upper))
     return lo, hi
 

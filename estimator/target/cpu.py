@@ -14,7 +14,9 @@ allocations: what the real outputs hold beyond the fake outputs becomes the call
 
 A symbolic capture measures each call at b = 2, 3 and the requested batch (4 if that is
 smaller) and fits every allocation event linearly in ``b`` (three points: fitted and
-checked).  A kernel that books other buffers at some sizes (oneDNN splits the batch over
+checked); where the capture's guards start its range higher (a kernel's path choice, e.g.
+``use_mkldnn``'s ``N >= 16`` on a strided convolution), at the range's first two sizes
+instead, so that every point measured runs the path the formula stands for.  A kernel that books other buffers at some sizes (oneDNN splits the batch over
 threads differently) is measured at the requested batch + 1 too: the requested batch's regime
 gives lines, exact there, the other sizes their peaks as constants below it; the report says so.  A
 call too large to run at the requested batch (``MAX_CALL_FLOPS``, ``MAX_CALL_BYTES``) is
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 # says which sizes were dropped and what that leaves unmeasured.
 MAX_CALL_BYTES = 2 * GiB
 MAX_CALL_FLOPS = 8e9
-FIT_SIZES = (2, 3)  # the small batch sizes every symbolic capture's calls are measured at
+FIT_SIZES = (2, 3)  # the small batch sizes a symbolic capture's calls are measured at (from b = 2)
 
 
 def _map(fn, x):
@@ -480,18 +482,21 @@ def exact(call: KernelCall, m: Measured, fake: dict[int, int]) -> Resolved:
 
 
 def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: int, symbol=None,
-          values=None) -> tuple[str, ...]:
+          values=None, valid_from: int = FIT_SIZES[0]) -> tuple[str, ...]:
     """Measure the captured ``calls`` on this host and write what they give into the capture:
     ``storages[key].extra`` for the outputs, ``ops[i].scratch`` for the kernels' buffers.
 
     ``symbol`` (a symbolic capture): the batch symbol the formulas are written in, and
     ``values(m)`` the substitution that puts batch ``m`` into a shape expression (None: a
-    concrete capture at ``batch``).  Returns the notes for the report.
+    concrete capture at ``batch``), and ``valid_from`` the first batch of the capture's range.
+    Returns the notes for the report.
     """
     if not calls:
         return ()
     concrete = symbol is None
-    top = max(batch, FIT_SIZES[-1] + 1)
+    first = max(valid_from, FIT_SIZES[0])
+    fit_sizes = tuple(range(first, first + len(FIT_SIZES)))  # inside the range: the formula's kernel paths
+    top = max(batch, fit_sizes[-1] + 1)
 
     memo: dict[tuple[int, int], tuple[Concrete, dict[int, int]]] = {}  # (id(call), m) -> at(call, m)
 
@@ -507,10 +512,10 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
     def plan(call: KernelCall) -> list[int]:
         if concrete:
             return [batch] if at(call, batch)[0].affordable() else []
-        small = [m for m in FIT_SIZES if at(call, m)[0].affordable()]
-        if len(small) < len(FIT_SIZES):
+        small = [m for m in fit_sizes if at(call, m)[0].affordable()]
+        if len(small) < len(fit_sizes):
             return []
-        for m in dict.fromkeys((top, FIT_SIZES[-1] + 1)):  # the requested batch, else 4 to check the line
+        for m in dict.fromkeys((top, fit_sizes[-1] + 1)):  # the requested batch, else the next to check the line
             if at(call, m)[0].affordable():
                 return [*small, m]
         return small
@@ -538,12 +543,11 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
         for key, extra in resolved.extra.items():
             storages[key].extra = storages[key].extra + extra
         ops[call.op].scratch = tuple(ops[call.op].scratch) + tuple(resolved.scratch)
-    sizes = [batch] if concrete else [*FIT_SIZES, top]
-    first = sizes[0]
+    sizes = [batch] if concrete else [*fit_sizes, top]
 
     def describe(call: KernelCall) -> str:  # at the smallest size measured: numbers, not symbols
-        shapes = [t.shape for t in _leaves(at(call, first)[0].args) if isinstance(t, TensorArg)]
-        return f"{call.func} on {shapes[0] if shapes else '()'} at b = {first}"
+        shapes = [t.shape for t in _leaves(at(call, sizes[0])[0].args) if isinstance(t, TensorArg)]
+        return f"{call.func} on {shapes[0] if shapes else '()'} at b = {sizes[0]}"
 
     return tuple(_notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed, describe))
 
@@ -594,7 +598,7 @@ def _notes(calls, sizes, concrete, batch, irregular, capped, unmeasured, failed,
     if capped:
         notes.append(f"{len(capped)} kernel calls too large to run at b = {batch} ({MAX_CALL_FLOPS / 1e9:.0f} GFLOP / "
                      f"{MAX_CALL_BYTES / GiB:.0f} GiB per call), e.g. {describe(capped[0])}: their bytes are "
-                     f"extrapolated from b = {', '.join(map(str, [*FIT_SIZES, FIT_SIZES[-1] + 1]))}")
+                     f"extrapolated from b = {', '.join(map(str, [*sizes[:-1], sizes[-2] + 1]))}")
     if unmeasured:
         notes.append(f"{len(unmeasured)} kernel calls NOT measured (over {MAX_CALL_FLOPS / 1e9:.0f} GFLOP or "
                      f"{MAX_CALL_BYTES / GiB:.0f} GiB at b = {sizes[0]}), e.g. {describe(unmeasured[0])}: "
