@@ -16,6 +16,7 @@ from estimator import dtype_formula, step
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import compiled, datadep
 from estimator.capture import path as capture_path
+from estimator.capture.fake import row_list_tensors, row_lists
 from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
@@ -67,7 +68,10 @@ def report(
             ``torch.compile``d module is estimated as compiled (``compile``); a ``torch.jit`` scripted or
             traced one cannot be captured (pass the eager module).
         sample: one example input: a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``);
-            dim 0 of every tensor is the batch (``batch_dims`` names another), of any size.
+            dim 0 of every tensor is the batch (``batch_dims`` names another), of any size.  A list
+            of dicts, one per row (DETR's ``labels``: each image's boxes, of its own size), is a row
+            list: its length is the batch, its tensors keep their sizes, and other batch sizes cycle
+            its rows (one capture per batch size: the model's Python loops over the rows).
         batch: the batch size to evaluate at (default: the sample's); any integer
             (``numpy.int64`` too).
         mode: ``"train"`` (forward, loss, backward, optimizer step), ``"inference"``
@@ -289,6 +293,10 @@ def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_
     if keep_output is not None and not isinstance(keep_output, bool):
         raise InputError(f"keep_output must be True or False, got {keep_output!r}")
     strategy = _strategy(strategy, mode_, model, batch)
+    if dims is not None and None in dims and (strategy.accumulate > 1 or strategy.pipeline > 1):
+        raise InputError("gradient accumulation and pipeline micro-batches split the sample's tensors along their "
+                         "batch dim: a sample with a row list (a list of dicts, one per row) is not split; estimate "
+                         "one micro-batch (batch=) instead")
     if strategy.master_weights:
         factory = _master_weights(model, factory)
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
@@ -452,7 +460,7 @@ def _result(request: _Request, step_: Captured) -> Report:
     spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
     notes = [*request.notes, *step_.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
-        ran = {op.op for op in step_.timeline.ops}
+        ran = {op.op for op in step_.timeline.ops} | {site.op for site in step_.data_dependent}
         notes += [cuda.not_modelled_note(ran), *gpus.estimated_notes(spec.target.context_bytes),
                   *cudnn.estimated_notes(step_.at_batch or step_.timeline, step_.graph, spec.target, batch,
                                          step_.seq, per_device=not strategy.distributed)]
@@ -700,20 +708,27 @@ def _sample_layout(sample: Any, batch_dims: int | Mapping | None) -> tuple[int, 
     named = list(_named_tensors(sample))
     if not named:
         raise InputError("the sample holds no tensor: give at least one tensor whose dim 0 is the batch")
+    in_rows = row_list_tensors(sample)
     for path, t in named:
-        if t.dim() == 0:
+        if t.dim() == 0 and id(t) not in in_rows:
             raise InputError(f"sample tensor {path or 'sample'} is a scalar: every tensor needs a batch dim")
     dims = _batch_dims(sample, batch_dims)
     dim_of = _dims_by_id(sample, dims)
     sizes = {}
     for path, t in named:
-        sizes.setdefault(t.shape[dim_of.get(id(t), 0)], f"{path or 'sample'}" + (
-            f" (dim {dim_of.get(id(t), 0)})" if dims is not None else ""))
+        if id(t) not in in_rows:
+            sizes.setdefault(t.shape[dim_of.get(id(t), 0)], f"{path or 'sample'}" + (
+                f" (dim {dim_of.get(id(t), 0)})" if dims is not None else ""))
+    for path, rows in row_lists(sample):
+        sizes.setdefault(len(rows), f"{path or 'sample'} (a list of {len(rows)} dicts: one per row)")
     if len(sizes) > 1:
         detail = ", ".join(f"{name}: {size}" for size, name in sizes.items())
         which = "dim 0" if dims is None else "their batch_dims"
         raise InputError(f"the sample's tensors disagree on the batch size ({which}): {detail}")
+    if in_rows:  # their tensors have no batch dim
+        dims = tuple(None if id(t) in in_rows else dim_of.get(id(t), 0) for t in tree_flatten(sample)[0])
     return next(iter(sizes)), dims
+
 
 
 def _batch_dims(sample: Any, batch_dims: int | Mapping | None) -> tuple[int, ...] | None:

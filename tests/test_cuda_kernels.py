@@ -12,7 +12,7 @@ from torch import nn
 from estimator import corrections, step
 from estimator.capture.trace import StepSpec, capture
 from estimator.categories import Mode, Phase, Target
-from estimator.corrections import NO_FIX, lookup
+from estimator.corrections import NO_FIX, lookup, packed
 from estimator.corrections.cuda import kernels, rnn
 from estimator.target.gpus import resolve_gpu
 from estimator.target.spec import TargetSpec
@@ -307,7 +307,8 @@ def test_cpu_target_has_none_of_the_cuda_entries():
     # native_batch_norm has an entry per target: the CPU temporaries, the CUDA statistics dtype
     bn = aten.native_batch_norm.default
     assert corrections.registered(Target.CPU)[bn] is not corrections.registered(Target.CUDA)[bn]
-    assert not {F.dropout, torch.dropout, F.rms_norm, torch._VF.lstm} & set(corrections.substitutes(Target.CPU))
+    assert not {F.dropout, torch.dropout, F.rms_norm} & set(corrections.substitutes(Target.CPU))
+    assert corrections.substitutes(Target.CPU)[torch._VF.lstm] is packed.packed_rnn  # the packed overload alone
     assert all(isinstance(g.text, str) and g.text for g in kernels.NOT_MODELLED + rnn.NOT_MODELLED)
 
 

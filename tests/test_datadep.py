@@ -2,6 +2,8 @@
 routing, CTC, ``.item()`` -- captured by the policy, never refused; measured against the CPU
 allocator where the sizes are the sample's (tolerance: exact, 0 B)."""
 
+import copy
+
 import pytest
 import sympy
 import torch
@@ -290,3 +292,96 @@ def test_the_bound_and_the_sample_side_by_side():
         meta = MaskedHead()
     assert estimator.report(meta, sample, loss_fn=loss, device="cpu").at_sample.peak_bytes == measured
     assert estimator.report(MaskedHead(), sample, loss_fn=loss, device="cpu", data_dependent=0.5).at_sample is None
+
+
+# -- packed sequences (estimator/corrections/packed.py) -------------------------------------------
+@pytest.mark.parametrize("mode", ["train", "inference"])
+@pytest.mark.parametrize("cell, batch_first, pad", [("lstm", True, True), ("gru", False, True), ("lstm", True, False)])
+def test_packed_sequences_with_the_samples_lengths_are_exact(cell, batch_first, pad, mode):
+    # pack_padded_sequence -> a 2-layer bidirectional RNN -> pad_packed_sequence: RNN.cpp's loop runs
+    # batch_sizes[t] rows at step t, as the sample's lengths give them (b = 3: lengths 1..12).
+    from validators.outside import PackedRNN, sequences, sum_loss
+
+    loss = sum_loss if mode == "train" else None
+    torch.manual_seed(0)
+    rep = estimator.report(PackedRNN(cell, batch_first, pad), sequences(3), mode=mode, loss_fn=loss, device="cpu",
+                           data_dependent="sample")
+    torch.manual_seed(0)
+    assert rep.peak_bytes == measure_cpu(PackedRNN(cell, batch_first, pad), sequences(3), mode=mode,
+                                         loss_fn=loss).peak_bytes
+    (site,) = rep.data_dependent
+    assert site.op == "pack_padded_sequence" and site.source is datadep.Source.INPUTS
+    assert site.used == int(sequences(3)["lengths"].sum())  # the packed rows
+
+
+def test_packed_sequences_default_to_full_lengths():
+    # data_dependent="max": every sequence as long as the padding (12): the packed data is the whole
+    # (b * 12, 16) block, never under the run's.
+    from validators.outside import PackedRNN, sequences, sum_loss
+
+    torch.manual_seed(0)
+    rep = estimator.report(PackedRNN(), sequences(4), mode="train", loss_fn=sum_loss, device="cpu")
+    assert rep.data_dependent[0].used == 4 * 12 and rep.data_dependent[0].source is datadep.Source.BOUND
+    full = {"ids": sequences(4)["ids"], "lengths": torch.full((4,), 12)}
+    torch.manual_seed(0)
+    assert rep.peak_bytes == measure_cpu(PackedRNN(), full, loss_fn=sum_loss).peak_bytes
+
+
+def test_packed_sequence_errors_name_the_lengths():
+    from validators.outside import PackedRNN, sequences
+
+    sample = sequences(3) | {"lengths": torch.tensor([13, 2, 2])}  # longer than the padding (12)
+    with pytest.raises(InputError, match="at most the padded length 12"):
+        estimator.report(PackedRNN(), sample, mode="inference", device="cpu")  # the bound: no probe
+
+
+def test_packed_sequences_on_the_cuda_target_say_what_stands_for_cudnn():
+    from validators.outside import PackedRNN, sequences, sum_loss
+
+    rep = estimator.report(PackedRNN(), sequences(4), mode="train", loss_fn=sum_loss, device="cuda")
+    assert rep.peak_bytes > 0
+    assert any("stands for cuDNN's packed kernel" in n for n in rep.notes)
+
+
+# -- host code reading values, row lists (DETR) ---------------------------------------------------
+def test_detr_matches_on_the_host_with_the_probes_values():
+    # transformers' DETR loss: scipy's linear_sum_assignment on a cost matrix (.numpy() of model
+    # outputs: the probe's real run gives the values, by site); labels: a list of one dict per
+    # image (a row list: its length is the batch, its tensors their own sizes).  Exact (0 B).
+    pytest.importorskip("scipy")
+    pytest.importorskip("transformers")
+    from validators.outside import detr, detr_sample
+
+    rep = estimator.report(detr(), detr_sample(3), mode="train", device="cpu")
+    assert rep.peak_bytes == measure_cpu(detr(), detr_sample(3)).peak_bytes
+    assert (rep.valid_from, rep.valid_to) == (3, 3)  # the loss loops over the images: held at b = 3
+
+
+def test_row_lists_cycle_to_another_batch():
+    # report(batch=4) of a 2-image sample: the capture cycles the images and their targets to 4
+    # rows (a real run at b = 4 of the same images twice).
+    pytest.importorskip("scipy")
+    pytest.importorskip("transformers")
+    from validators.outside import detr, detr_sample
+
+    sample = detr_sample(2)
+    rep = estimator.report(detr(), sample, mode="train", device="cpu", batch=4)
+    twice = {"pixel_values": sample["pixel_values"].repeat(2, 1, 1, 1), "pixel_mask": sample["pixel_mask"].repeat(2, 1, 1),
+             "labels": sample["labels"] + copy.deepcopy(sample["labels"])}
+    assert rep.peak_bytes == measure_cpu(detr(), twice).peak_bytes
+
+
+def test_a_row_list_must_have_the_batchs_length():
+    from validators.outside import detr_sample
+
+    sample = detr_sample(3) | {"labels": detr_sample(2)["labels"]}
+    with pytest.raises(InputError, match=r"\['labels'\] \(a list of 2 dicts: one per row\): 2"):
+        estimator.report(nn.Linear(2, 2), sample, mode="inference", device="cpu")
+
+
+def test_accumulation_does_not_split_a_row_list():
+    from validators.outside import detr_sample
+
+    with pytest.raises(InputError, match="row list"):
+        estimator.report(nn.Linear(2, 2), detr_sample(4), mode="train", device="cpu",
+                         strategy=estimator.Strategy(accumulate=2))

@@ -142,6 +142,35 @@ class ComplexWeights(nn.Module):
         return self.fc((x.to(torch.complex64) @ self.w).abs())
 
 
+class PackedRNN(nn.Module):
+    """``pack_padded_sequence`` -> a 2-layer bidirectional LSTM (or GRU) on the packed sequence ->
+    ``pad_packed_sequence`` (``pad=False``: the last hidden states): RNN.cpp's per-step loop over
+    the sequences still active (each step's batch is a value of the lengths)."""
+
+    def __init__(self, cell: str = "lstm", batch_first: bool = True, pad: bool = True):
+        super().__init__()
+        self.batch_first, self.pad = batch_first, pad
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell](16, 32, num_layers=2, bidirectional=True,
+                                                          batch_first=batch_first)
+        self.fc = nn.Linear(64, 3)
+
+    def forward(self, ids, lengths):  # ids: (b, 12), lengths: (b,) in 1..12
+        x = self.emb(ids) if self.batch_first else self.emb(ids).transpose(0, 1)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=self.batch_first, enforce_sorted=False)
+        out, hidden = self.rnn(packed)
+        if not self.pad:
+            h = hidden[0] if isinstance(hidden, tuple) else hidden
+            return self.fc(torch.cat([h[-2], h[-1]], -1))
+        y, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        return self.fc(y).sum(1)
+
+
+def sequences(b: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.randint(0, VOCAB, (b, 12), generator=g), "lengths": torch.randint(1, 13, (b,), generator=g)}
+
+
 def sum_loss(out, sample):
     return out.sum()
 
@@ -230,6 +259,28 @@ def reformer_sample(b: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, VOCAB, (b, 32), generator=torch.Generator().manual_seed(1))}
 
 
+def detr() -> nn.Module:
+    """DETR (a 4-stage ResNet from its config, 1 + 1 layers, 10 queries, 5 classes): its loss
+    matches predictions to targets with ``scipy.optimize.linear_sum_assignment`` on the host."""
+    t = _transformers()
+    backbone = t.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1],
+                              out_features=["stage4"])
+    torch.manual_seed(0)
+    return t.DetrForObjectDetection(t.DetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, d_model=32, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        num_queries=10, num_labels=5))
+
+
+def detr_sample(b: int) -> dict[str, Any]:
+    """64 x 64 images; ``labels``: one dict per image (1 to 4 boxes), a row list."""
+    g = torch.Generator().manual_seed(0)
+    labels = [{"class_labels": torch.randint(0, 5, (n,), generator=g), "boxes": torch.rand(n, 4, generator=g) * 0.5 + 0.25}
+              for n in torch.randint(1, 5, (b,), generator=g).tolist()]
+    return {"pixel_values": torch.randn(b, 3, 64, 64, generator=g), "pixel_mask": torch.ones(b, 64, 64, dtype=torch.long),
+            "labels": labels}
+
+
 # -- the cases ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
@@ -242,10 +293,10 @@ class Case:
     what: str = ""
 
 
-def _fixed(cls: type[nn.Module]) -> Callable[[], nn.Module]:
+def _fixed(cls: type[nn.Module], *args, **kwargs) -> Callable[[], nn.Module]:
     def make():
         torch.manual_seed(0)
-        return cls()
+        return cls(*args, **kwargs)
     return make
 
 
@@ -261,6 +312,10 @@ CASES: dict[str, Case] = {
     "h + h, h read three times": Case(_fixed(Shared), _randn(64), loss_fn=sum_loss, what="gradient sums (28.2)"),
     "x[:, :, t] in a loop": Case(_fixed(StepSlices), _randn(16, 8), loss_fn=sum_loss,
                                  what="full slices of the batch dim dropped as eager drops them"),
+    "packed LSTM (pack_padded_sequence)": Case(_fixed(PackedRNN), sequences, loss_fn=sum_loss, data_dependent="sample",
+                                               what="packed sequences, lengths from the sample (28.3)"),
+    "packed GRU, last hidden state": Case(_fixed(PackedRNN, "gru", pad=False), sequences, loss_fn=sum_loss,
+                                          data_dependent="sample", what="(28.3)"),
     "Mamba (transformers)": Case(mamba, mamba_sample, what="in-place gradient sums (28.2), full slices"),
     "Qwen2, all-ones mask (transformers)": Case(lambda: llama_like("qwen2"), tokens,
                                                 what="the causal mask's real branch (27.1)"),
@@ -270,6 +325,8 @@ CASES: dict[str, Case] = {
     "LLaVA inference (transformers)": Case(llava, llava_sample, mode="inference", what="(28.3)"),
     "LLaVA generate (transformers)": Case(lambda: llava().eval(), lambda b: llava_sample(b, labels=False),
                                           mode="generate", generate=3, what="(28.3)"),
+    "DETR train (transformers)": Case(detr, detr_sample, what="a matching on the host (.numpy(), scipy), per-image "
+                                                               "targets (28.3)"),
     "Switch Transformers, sample sizes": Case(switch, switch_sample, data_dependent="sample",
                                               what="module.to() in forward, f-string expert names (28.4)"),
     "Reformer inference (transformers)": Case(reformer, reformer_sample, mode="inference",

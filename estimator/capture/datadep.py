@@ -195,6 +195,7 @@ def _short(func) -> str:
 
 # -- the capture's mode -------------------------------------------------------------------
 _ACTIVE: list[DataDependent] = []
+_PROBES: list[Probe] = []
 
 
 class DataDependent(TorchDispatchMode):
@@ -219,7 +220,7 @@ class DataDependent(TorchDispatchMode):
         dims = batch_dims or (0,) * len(fakes)
         for fake, real, dim in zip(fakes, reals, dims):
             if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and not real.is_meta:
-                self.shadows.seed(fake, real, dim)
+                self.shadows.seed(fake, real, 0 if dim is None else dim)
 
     def new_step(self) -> None:
         """The measured step starts: the sites of calls outside any module count from 0 again, as in
@@ -288,6 +289,35 @@ class DataDependent(TorchDispatchMode):
             return _per_row(upper, *seen), Source.SAMPLE, seen
         return sympy.sympify(upper), Source.BOUND, None
 
+    def sequence_lengths(self, given: list[int] | None, rows: int, padded: int) -> list[int]:
+        """The lengths ``pack_padded_sequence`` packs (a concrete capture; the site
+        ``pack_padded_sequence``, ``upper`` = every one of the ``rows`` sequences ``padded`` long):
+        the ``given`` values (the lengths' shadow: the sample fixes them) where the policy says
+        ``"sample"``; else the size the policy gives spread over the sequences, longest first (the
+        bound: all ``padded`` long)."""
+        upper = rows * padded
+        key = self._sites.key("pack_padded_sequence")
+        used, source, observed = self._choose(key, upper, None if given is None else (sum(given), upper))
+        self.sites[key] = Site(key, "pack_padded_sequence", sympy.Integer(upper), used, source, observed)
+        if source is Source.INPUTS:
+            return given
+        q, r = divmod(min(int(used), upper), rows)
+        return [min(q + 1, padded)] * r + [max(q, 1)] * (rows - r)
+
+    def host(self, t: torch.Tensor):
+        """The values of ``t.numpy()`` on a fake tensor (host code reading them: a matching on
+        the host, ``scipy.optimize.linear_sum_assignment``): its shadow where they follow the
+        sample alone (a tensor), else the probe's (a numpy array: same site, same shape), else
+        ``NeedsProbe``."""
+        key = self._sites.key(f"numpy@{_user_line()}")
+        real = self.shadows.get(t)
+        if real is not None:
+            return real
+        seen = self.policy.values.get(key)
+        if hasattr(seen, "__array__") and getattr(seen, "shape", None) == tuple(t.shape):
+            return seen
+        raise NeedsProbe(f"values read on the host ({key}, .numpy()): only a real run of the model can give them")
+
     def nnz(self, mask: torch.Tensor):
         """The number of nonzeros the capture uses for ``mask`` (the same for every call on one
         mask: the forward's ``x[mask]`` and its backward's ``index_put_`` agree)."""
@@ -299,14 +329,15 @@ class DataDependent(TorchDispatchMode):
         return n
 
     def value(self, func, args):
-        """A data-dependent scalar: the probe's, else 0.0 for a floating-point one (a logged loss or
-        gradient norm: memory does not depend on it, noted), else ``NeedsProbe``."""
+        """A data-dependent scalar: its shadow's (a value that follows the sample alone, at this
+        capture's batch), else the probe's (at the sample's), else 0.0 for a floating-point one (a
+        logged loss or gradient norm: memory does not depend on it, noted), else ``NeedsProbe``."""
         key = self._sites.key(f"{_short(func)}@{_user_line()}")
+        known = self.shadows.value(args[0])
+        if known is not None:
+            return known
         if key in self.policy.values:
             return self.policy.values[key]
-        known = self.shadows.value(args[0])
-        if known is not None:  # a value that follows the sample alone
-            return known
         if args[0].is_floating_point():
             self.assumed[key] = None
             return 0.0
@@ -315,6 +346,10 @@ class DataDependent(TorchDispatchMode):
 
 def active() -> DataDependent | None:
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def probing() -> Probe | None:
+    return _PROBES[-1] if _PROBES else None
 
 
 def count(op: str, upper, mask: torch.Tensor | None = None):
@@ -564,7 +599,7 @@ def observes(*ops):
 
 class Probe(TorchDispatchMode):
     """Records, on real tensors, the sizes of the calls ``DataDependent`` answers and the values
-    of ``.item()``, by the same sites."""
+    of ``.item()`` and ``.numpy()`` (``host``), by the same sites."""
 
     def __init__(self, module_names: Mapping[int, str]):
         super().__init__()
@@ -572,6 +607,18 @@ class Probe(TorchDispatchMode):
         self.values: dict[str, Any] = {}
         self._sites = _Sites(module_names)
         self._seen = _PerStorage()  # masks already counted
+
+    def __enter__(self):
+        _PROBES.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _PROBES.remove(self)
+        return super().__exit__(*exc)
+
+    def host(self, array) -> None:
+        """A real tensor's ``.numpy()``: its values, by the site the capture reads them at."""
+        self.values[self._sites.key(f"numpy@{_user_line()}")] = array.copy()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         watchdog.beat(func)

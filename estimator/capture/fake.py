@@ -28,7 +28,7 @@ import functools
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -242,13 +242,14 @@ def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
     leaves, spec = tree_flatten(sample)
     dims = batch_dims or (0,) * len(leaves)
 
-    def convert(t: torch.Tensor, d: int) -> torch.Tensor:
+    def convert(t: torch.Tensor, d: int | None) -> torch.Tensor:
         if id(t) not in converted:
             shape = list(t.shape)
-            shape[d] = batch
+            if d is not None:  # (None: a tensor of one row of a row list, static)
+                shape[d] = batch
             meta = torch.empty(shape, dtype=t.dtype, device="meta")
             ctx = None
-            if symbolic:
+            if symbolic and d is not None:
                 dynamic = [DimDynamic.STATIC] * t.dim()
                 dynamic[d] = DimDynamic.DUCK
                 for s in seq_dims.get(id(t), ()):
@@ -260,13 +261,63 @@ def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
     return tree_unflatten([convert(t, d) if isinstance(t, torch.Tensor) else t for t, d in zip(leaves, dims)], spec)
 
 
-def sample_rows(sample: Any, batch_dims: tuple[int, ...] | None = None) -> tuple[int, int]:
+def sample_rows(sample: Any, batch_dims: tuple[int | None, ...] | None = None) -> tuple[int, int]:
     """The sample's batch size and the batch dim its tensors share (0 when they differ)."""
     leaves = tree_flatten(sample)[0]
     dims = batch_dims or (0,) * len(leaves)
-    found = [(t.shape[d], d) for t, d in zip(leaves, dims) if isinstance(t, torch.Tensor)]
+    found = [(t.shape[d], d) for t, d in zip(leaves, dims) if isinstance(t, torch.Tensor) and d is not None]
+    if not found:  # only row lists
+        return len(next(row_lists(sample))[1]), 0
     shared = {d for _, d in found}
     return found[0][0], shared.pop() if len(shared) == 1 else 0
+
+
+# -- row lists: a list of dicts, one per row of the batch (DETR's and torchvision detection's targets) --
+def is_row_list(x: Any) -> bool:
+    """A list of dicts: one item per row of the batch, whose tensors (a row's targets: their own
+    sizes) have no batch dim; its length is the batch size."""
+    return isinstance(x, list) and len(x) > 0 and all(isinstance(item, Mapping) for item in x)
+
+
+def row_lists(sample: Any, path: str = ""):
+    """The sample's row lists, each with its path in the sample (``['labels']``)."""
+    if is_row_list(sample):
+        yield path, sample
+    elif isinstance(sample, Mapping):
+        for key, value in sample.items():
+            yield from row_lists(value, f"{path}[{key!r}]")
+    elif isinstance(sample, (list, tuple)):
+        for i, value in enumerate(sample):
+            yield from row_lists(value, f"{path}[{i}]")
+
+
+def row_list_tensors(sample: Any) -> set[int]:
+    """The ids of the tensors in the sample's row lists."""
+    return {id(t) for _, rows in row_lists(sample) for t in tree_flatten(rows)[0] if isinstance(t, torch.Tensor)}
+
+
+def with_rows(sample: Any, dims: tuple[int | None, ...], rows: int) -> tuple[Any, tuple[int | None, ...]]:
+    """``sample`` with each row list cycled to ``rows`` items (a repeated row is a copy: its own
+    tensors, as a real batch's rows have), everything else as it is; and the batch dim of each
+    of its leaves (None in the row lists)."""
+    dim_of = {id(t): d for t, d in zip(tree_flatten(sample)[0], dims) if isinstance(t, torch.Tensor)}
+    resized = _cycled(sample, rows)
+    in_rows = row_list_tensors(resized)
+    return resized, tuple(None if id(t) in in_rows else dim_of.get(id(t), 0) for t in tree_flatten(resized)[0])
+
+
+def _cycled(sample: Any, rows: int) -> Any:
+    if next(row_lists(sample), None) is None:
+        return sample
+    if is_row_list(sample):
+        return [sample[i] if i < len(sample) else copy.deepcopy(sample[i % len(sample)]) for i in range(rows)]
+    if isinstance(sample, Mapping):
+        items = {k: _cycled(v, rows) for k, v in sample.items()}
+        try:
+            return type(sample)(items)
+        except TypeError:
+            return items
+    return type(sample)(_cycled(v, rows) for v in sample)  # a list or tuple (row_lists looks in no other)
 
 
 # -- real tensors met during the step --------------------------------------------------------

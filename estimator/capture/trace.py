@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections, custom_ops, step
 from estimator.capture import compiled, datadep, generation, tracing
-from estimator.capture.fake import (SIZE_MAX, RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note, isolated,
-                                    sample_rows)
+from estimator.capture.fake import (SIZE_MAX, RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note,
+                                    isolated, sample_rows, with_rows)
 from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
@@ -134,7 +134,8 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     # A one-row sample is captured with b hinted at 2 (sizes 0 and 1 specialize): code that reads
     # values only for several rows (generate()'s right-padding check) reads them in the capture,
     # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
-    probe_sample = _with_rows(sample, batch, spec.batch_dims) if symbolic else sample
+    rows_lists = spec.batch_dims is not None and None in spec.batch_dims
+    probe_sample = _with_rows(sample, batch, spec.batch_dims) if symbolic or rows_lists else sample
     if policy.needs_probe:
         try:
             spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
@@ -171,15 +172,20 @@ def _unreached(exc: datadep.NeedsProbe, policy: datadep.Policy) -> CaptureError:
     return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it{hint}")
 
 
-def _with_rows(sample: Any, batch: int, batch_dims: tuple[int, ...] | None) -> Any:
+def _with_rows(sample: Any, batch: int, batch_dims: tuple[int | None, ...] | None) -> Any:
     """A one-row ``sample`` with its row repeated ``batch`` times along each tensor's batch dim;
-    any other sample as it is."""
+    a sample with row lists with its rows cycled to ``batch`` (the capture at ``batch`` cycles
+    them so: the probe then runs what it runs); any other sample as it is."""
     rows, _ = sample_rows(sample, batch_dims)
-    if rows != 1 or batch <= 1:
+    lists = batch_dims is not None and None in batch_dims
+    if rows == batch or not lists and (rows != 1 or batch <= 1):
         return sample
+    if lists:
+        sample, batch_dims = with_rows(sample, batch_dims, batch)
     leaves, spec = tree_flatten(sample)
     dims = batch_dims or (0,) * len(leaves)
-    return tree_unflatten([t.repeat_interleave(batch, dim=d) if isinstance(t, torch.Tensor) else t
+    index = torch.arange(batch) % rows
+    return tree_unflatten([t.index_select(d, index) if isinstance(t, torch.Tensor) and d is not None else t
                            for t, d in zip(leaves, dims)], spec)
 
 
@@ -269,9 +275,14 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)
     dims = spec.batch_dims
+    rows, common_dim = sample_rows(sample, dims)
+    if dims is not None and None in dims:  # row lists: a list of dicts, one per row
+        if symbolic:
+            raise SymbolicCaptureFailed("the sample's row lists (a list of dicts, one per row) make the batch size a "
+                                        "Python length")
+        sample, dims = with_rows(sample, dims, micro)
     fsample = _full_batch(fake_sample(sample, mode, micro, symbolic, seq_dims if symbolic else None, dims), k, dims)
     batch_symbols = _batch_symbols(fsample, dims)
-    rows, common_dim = sample_rows(sample, dims)
     module_names = {id(m): name for name, m in fmodel.named_modules()}
 
     def real_tensors(size: int, symbolic_: bool, repeat: int) -> RealTensors:  # batch-sized ones as the sample's
@@ -745,7 +756,7 @@ def _batch_symbols(fsample, batch_dims: tuple[int, ...] | None = None) -> tuple[
     batch, seq = set(), set()
     leaves = tree_flatten(fsample)[0]
     for t, d in zip(leaves, batch_dims or (0,) * len(leaves)):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and d is not None:
             batch |= _free(t.shape[d])
             for i, size in enumerate(t.shape):
                 if i != d:

@@ -54,12 +54,34 @@ def _format(self, format_spec):
 _TENSOR_FORMAT = torch.Tensor.__format__
 
 
+def _numpy(self, *, force: bool = False):
+    """``Tensor.numpy`` (``__array__`` calls it: ``np.asarray(t)``, scipy) raises for tensor
+    subclasses.  Host code that reads a fake tensor's values (DETR's matching:
+    ``linear_sum_assignment`` of a cost matrix) gets them as a real run would: from the shadow
+    where they follow the sample alone, else from the probe's real run (``datadep``), which
+    records a real tensor's values by site."""
+    if isinstance(self, FakeTensor):
+        mode = datadep.active()
+        values = mode.host(self) if mode is not None else None
+        if not isinstance(values, torch.Tensor):
+            return values.copy() if values is not None else _TENSOR_NUMPY(self, force=force)
+        self = values
+    array = _TENSOR_NUMPY(self, force=force)
+    probe = datadep.probing()
+    if probe is not None:
+        probe.host(array)
+    return array
+
+
+_TENSOR_NUMPY = torch.Tensor.numpy
+
+
 @contextlib.contextmanager
 def as_for_real():
     """Answer the tensor checks of torch and of the libraries already imported as for real
     tensors (above)."""
-    patched = [(torch.Tensor, "__format__", _TENSOR_FORMAT)]
-    torch.Tensor.__format__ = _format
+    patched = [(torch.Tensor, "__format__", _TENSOR_FORMAT), (torch.Tensor, "numpy", _TENSOR_NUMPY)]
+    torch.Tensor.__format__, torch.Tensor.numpy = _format, _numpy
     utils = sys.modules.get("transformers.utils.import_utils")
     if utils is not None and hasattr(utils, "is_fake_tensor"):
         patched.append((utils, "is_fake_tensor", utils.is_fake_tensor))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from estimator.categories import Target
+from estimator.corrections import packed
 from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, substitute
 from estimator.symbolic import as_expr
@@ -48,7 +49,8 @@ NOT_MODELLED: list[Gap] = [
     Gap("cuDNN RNN dropout state (~2 MB per device, cached once: get_dropout_state)", _RNN),
     Gap("RNN weights not flattened into one buffer: a per-call copy of the weights (WEIGHT_FORMAT_WARN)", _RNN),
     Gap("RNN without bias on CUDA: zeroed bias slots in the flattened weight buffer (parameter memory)", _RNN),
-    Gap("packed sequences (PackedSequence) and MIOpen: left on the CPU execution", _RNN),
+    Gap("packed sequences (PackedSequence): RNN.cpp's per-step loop (the CPU's) stands for cuDNN's packed kernel "
+        "(one op, its reserve and workspace)", ("pack_padded_sequence",)),
 ]
 
 # cudnnRNNMode_t (cudnn.h): CUDNN_RNN_RELU 0, CUDNN_RNN_TANH 1, CUDNN_LSTM 2, CUDNN_GRU 3
@@ -63,10 +65,12 @@ def cudnn_rnn(spec, func, args, kwargs):
     size from ``cx`` (``hx`` is the projection size when they differ), ``num_params = 4 or 2
     (+1 with projections)``, ``at::_cudnn_rnn(input, params, num_params, weight_buf, hx, cx,
     mode, hidden_size, proj_size, num_layers, batch_first, dropout, train, bidirectional,
-    /*batch_sizes=*/{}, dropout_state)``.  The packed-sequence overloads (``batch_sizes``) fall
-    through to the CPU execution (``NOT_MODELLED``)."""
+    /*batch_sizes=*/{}, dropout_state)``.  The packed-sequence overloads (``batch_sizes``) run
+    RNN.cpp's CPU loop (``packed.rnn``; cuDNN's packed kernel: ``NOT_MODELLED``)."""
+    if packed.is_packed(args):  # the .data overload: (data, batch_sizes, hx, params, ...)
+        return packed.rnn(func, args, kwargs)
     if kwargs or len(args) != 9 or not isinstance(args[3], bool):
-        return NotImplemented  # the .data (packed) overload: (data, batch_sizes, hx, params, ...)
+        return NotImplemented
     x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
     if not torch.backends.cudnn.enabled or not isinstance(x, torch.Tensor) or not params:
         return NotImplemented
