@@ -129,3 +129,15 @@ def test_master_weights_is_a_capture_of_its_own():
     base, master = result["single device"].report, result["master"].report
     assert master.breakdown[estimator.Category.OPTIMIZER_STATE] - base.breakdown[estimator.Category.OPTIMIZER_STATE] \
         == 4 * 33_280
+
+
+def test_max_batch_of_a_report_whose_batch_lies_outside_its_formula():
+    # A pipeline of 4 micro-batches at b = 4: one row per micro-batch, under the formula's range
+    # (b >= 8, the micro-batch's 2 rows): the report at b = 4 is a capture of its own, and
+    # max_batch (what compare and plan ask every row) answers from the formula instead of refusing.
+    import models_zoo
+
+    model, make_sample, loss_fn = models_zoo.get("gpt")
+    rep = estimator.report(model, make_sample(4), loss_fn=loss_fn, strategy=Strategy(pipeline=2, microbatches=4))
+    assert rep.batch_outside_range and rep.valid_from == 8
+    assert rep.max_batch("1GiB") == rep.valid_to  # 384: the formula's guards end it there

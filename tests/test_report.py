@@ -190,3 +190,9 @@ def test_every_batch_up_to_max_batch_fits():
     assert checked[:7] == [8, 7, 6, 5, 4, 3, 2] and 7 not in checked[7:]
     assert every_smaller_fits(30, 2, lambda m: 200 if m < 10 else 5, 100) == 30  # 9 is 21 below: not looked at
     assert every_smaller_fits(3, 2, lambda m: 200, 100) == 0
+    # over the limit by e bytes: the answer moves down by ceil(e / per_row) rows at once.  10·m
+    # against 1,000 from m = 200: 200 is over by 1,000 = 100 rows, so 100 (exactly 1,000) is
+    # next, and its 8 sizes below: 10 replays where one size at a time took about a hundred.
+    checked.clear()
+    assert every_smaller_fits(200, 2, lambda m: checked.append(m) or 10 * m, 1000, per_row=10) == 100
+    assert checked == [200, *range(100, 91, -1)]

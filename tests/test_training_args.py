@@ -286,3 +286,16 @@ def test_command_line(tmp_path):
     refused = CliRunner().invoke(cli, ["report", f"transformers:{tmp_path}", "--training-args", str(args),
                                        "--amp", "bf16", "--device", "cpu", "-q"])
     assert refused.exit_code == 2 and "--training-args decides --amp" in refused.output
+
+
+def test_checkpointed_trainer_step_recomputes_with_the_cuda_kernels():
+    """Trainer's step (``step=``) with the model's own checkpointing on the CUDA target: the
+    recomputation in backward runs CUDA's kernels (fused dropout, the SDPA backend) as the first
+    forward did -- the backward the user step's phases wrap still runs under the substitutions
+    (it failed with "a different number of tensors was saved during the original forward and
+    recomputation")."""
+    from estimator.integrations.transformers import from_training_args
+
+    args = dict(per_device_train_batch_size=B, gradient_accumulation_steps=K, gradient_checkpointing=True)
+    rep = from_training_args(gpt2(), args, sample=batch_of(dataset(B * K), B * K), device="cuda", gpu="H100")
+    assert not any(op.op == "aten.bernoulli_.float" for op in rep.timeline.ops)  # CUDA's fused dropout, both times

@@ -53,8 +53,8 @@ class Substitutions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _BACKWARD:
-            return self._backward(func, args, kwargs)
+        if func in _BACKWARD or getattr(func, "__wrapped__", None) in _BACKWARD:  # (a user step's phases wrap them)
+            return self._backward(getattr(func, "__wrapped__", func), args, kwargs)
         sub = substitution(self.spec.device, func)
         if sub is not None:
             result = sub(self.spec, func, args, kwargs)
@@ -67,7 +67,7 @@ class Substitutions(TorchFunctionMode):
         bound = inspect.signature(func).bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        tensors, grads = (a["self"], a["gradient"]) if func is torch.Tensor.backward else (a["tensors"], a["grad_tensors"])
+        tensors, grads = (a["self"], a["gradient"]) if func is _BACKWARD[0] else (a["tensors"], a["grad_tensors"])
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         inputs = a["inputs"]
         inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)

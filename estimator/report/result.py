@@ -166,19 +166,21 @@ class Report:
         exprs = [p.expr for p in self.pieces]
         return exprs[0] if len(exprs) == 1 else sympy.Max(*exprs)
 
-    def _check_range(self, b: int, s: int | None = None) -> tuple[int, int | None]:
-        """``b`` and ``s`` as ints (``numpy`` integers too), checked against the formula's range."""
-        b = as_int(b, "batch size")
-        if b % self.multiple:
-            raise InputError(f"this step splits b into micro-batches ({self.strategy.describe()}): b must be a "
-                             f"multiple of {self.multiple}, got b={b}")
-        if b < self.valid_from or (self.valid_to is not None and b > self.valid_to):
-            upper = "∞" if self.valid_to is None else str(self.valid_to)
-            raise InputError(
-                f"the formula holds for {self.valid_from} <= b <= {upper} "
-                f"({'; '.join(self.guards) or 'batch sizes 0 and 1 specialize shapes'}); "
-                f"call estimator.report(..., batch={b}) for b={b}"
-            )
+    def _check_range(self, b: int | None, s: int | None = None) -> tuple[int | None, int | None]:
+        """``b`` and ``s`` as ints (``numpy`` integers too), checked against the formula's range
+        (``b`` None: ``s`` alone)."""
+        if b is not None:
+            b = as_int(b, "batch size")
+            if b % self.multiple:
+                raise InputError(f"this step splits b into micro-batches ({self.strategy.describe()}): b must be a "
+                                 f"multiple of {self.multiple}, got b={b}")
+            if b < self.valid_from or (self.valid_to is not None and b > self.valid_to):
+                upper = "∞" if self.valid_to is None else str(self.valid_to)
+                raise InputError(
+                    f"the formula holds for {self.valid_from} <= b <= {upper} "
+                    f"({'; '.join(self.guards) or 'batch sizes 0 and 1 specialize shapes'}); "
+                    f"call estimator.report(..., batch={b}) for b={b}"
+                )
         if s is None or s == self.seq:
             return b, s if s is None else int(s)
         if self.seq is None:
@@ -298,7 +300,7 @@ class Report:
         """
         if new_tokens is not None:
             return self._generating(new_tokens).max_batch(budget, s)
-        _, s = self._check_range(self.batch, s)
+        _, s = self._check_range(None, s)  # (the report's own batch may lie outside the formula's range)
         limit = self._budget(budget)
         tensor_limit = limit if self.cuda is None else limit - self.cuda.context
         try:
@@ -313,7 +315,9 @@ class Report:
         k = self.multiple  # bisect over multiples of k: b = k·n
         first = -(-self.valid_from // k)
         n = _bisect(lambda n: self._device_fits(k * n, s, limit), first, best // k)
-        return k * every_smaller_fits(n, first, lambda m: self._device_bytes(k * m, s, limit), limit)
+        pieces = self._pieces_at(s)
+        per_row = max(p(k * n) for p in pieces) - max(p(k * (n - 1)) for p in pieces) if n > first else 0
+        return k * every_smaller_fits(n, first, lambda m: self._device_bytes(k * m, s, limit), limit, per_row)
 
     def max_seq(self, budget: int | str | None = None, b: int | None = None) -> int:
         """The largest sequence length whose step fits in ``budget`` at batch size ``b``
@@ -401,19 +405,23 @@ class RankReport:
 CHECKED_BELOW = 8  # sizes below the bisection's answer replayed (every_smaller_fits)
 
 
-def every_smaller_fits(n: int, first: int, device, limit: int) -> int:
+def every_smaller_fits(n: int, first: int, device, limit: int, per_row: int = 0) -> int:
     """The largest ``m <= n`` such that ``device(m') <= limit`` for ``m' = m`` and the
     ``CHECKED_BELOW`` sizes below it (0 if none).  ``device`` is not monotonic (the caching
     allocator rounds segments to 2 or 20 MiB and fits blocks best-first): a size just below the
     bisection's ``n`` can take more.  Further below, the tensors alone are 8 batches' worth
     smaller: the answer assumes the allocator's overhead does not grow by more than that (stated
-    in ``max_batch``)."""
-    answer = n
-    for m in range(n, max(first, n - CHECKED_BELOW) - 1, -1):
-        if device(m) > limit:
-            answer = m - 1
-    if answer < n:  # a failure below: the sizes below the new answer are checked again
-        return every_smaller_fits(answer, first, device, limit) if answer >= first else 0
+    in ``max_batch``).  A size ``m`` over the limit by ``e`` bytes moves the answer to
+    ``m - ceil(e / per_row)`` (``per_row``: the tensors' bytes per batch row), not one size down:
+    near the limit of a small model's large batch most sizes are over by a segment or two, each
+    replay of the run costs seconds, and the answer stays one whose window fits."""
+    answer, m = n, n
+    while m >= max(first, answer - CHECKED_BELOW):
+        excess = device(m) - limit
+        if excess > 0:  # the window restarts below m
+            answer = m = m - (-(-excess // per_row) if per_row > 0 else 1)
+        else:
+            m -= 1
     return answer if answer >= first else 0
 
 
