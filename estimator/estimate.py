@@ -16,7 +16,7 @@ from estimator import dtype_formula, step
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import compiled, datadep
 from estimator.capture import path as capture_path
-from estimator.capture.fake import row_list_tensors, row_lists
+from estimator.capture.fake import has_row_lists, row_list_tensors, row_lists
 from estimator.capture.path import Captured, Formula
 from estimator.capture.trace import StepSpec
 from estimator.categories import Category, Mode, Phase
@@ -293,7 +293,7 @@ def _request(model, sample, batch, mode, optimizer, loss_fn, device, gpu, alloc_
     if keep_output is not None and not isinstance(keep_output, bool):
         raise InputError(f"keep_output must be True or False, got {keep_output!r}")
     strategy = _strategy(strategy, mode_, model, batch)
-    if dims is not None and None in dims and (strategy.accumulate > 1 or strategy.pipeline > 1):
+    if has_row_lists(dims) and (strategy.accumulate > 1 or strategy.pipeline > 1):
         raise InputError("gradient accumulation and pipeline micro-batches split the sample's tensors along their "
                          "batch dim: a sample with a row list (a list of dicts, one per row) is not split; estimate "
                          "one micro-batch (batch=) instead")

@@ -355,12 +355,12 @@ def test_detr_matches_on_the_host_with_the_probes_values():
     model, sample = detr(), detr_sample(3)
     state, rng = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
     rep = estimator.report(model, sample, mode="train", device="cpu")
+    # the probe's real run left the user's model, sample and RNG as they were
+    assert torch.equal(torch.get_rng_state(), rng) and len(sample["labels"]) == 3
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert rep.peak_bytes == measure_cpu(detr(), detr_sample(3)).peak_bytes
     assert (rep.valid_from, rep.valid_to) == (3, 3)  # the loss loops over the images: held at b = 3
-    # the probe's real run left the user's model, sample and RNG as they were
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert torch.equal(torch.get_rng_state(), rng) and len(sample["labels"]) == 3
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_row_lists_cycle_to_another_batch():

@@ -11,6 +11,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import estimator
 from estimator import InputError
@@ -110,13 +111,38 @@ def test_committed_page_matches_the_data_file():
     assert published.MARKDOWN.read_text() == published.to_markdown(results, meta)
 
 
-def test_litgpt_stand_ins_train_the_published_parameter_count():
-    """The LoRA stand-ins train exactly the parameters the resource table lists (q and v, r = 8)."""
-    _needs_transformers()
-    from validators import published_data
+@pytest.mark.parametrize("name, trainable", [("phi-1_5", 1_572_864), ("stablelm-base-alpha-3b", 2_097_152),
+                                             ("Llama-2-7b-hf", 4_194_304), ("Llama-2-13b-hf", 6_553_600)])
+def test_litgpt_stand_in_trains_the_published_parameter_count(name, trainable):
+    """lit-gpt's LoRA GPT (validators/litgpt.py) trains exactly the parameters the resource table
+    lists (q and v, r = 8: 2·8·C + 2·C·8 per layer), bf16 but for the fp32 rope cache."""
+    from validators import litgpt
 
-    assert sum(p.numel() for p in published_data.phi15().parameters() if p.requires_grad) == 1_572_864
-    assert sum(p.numel() for p in published_data.llama2("7b").parameters() if p.requires_grad) == 4_194_304
+    model = litgpt.build(name, 16)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.cos.dtype == torch.float32
+
+
+def test_litgpt_v_is_a_view_of_the_fused_qkv():
+    """model.py 196-215: ``v`` keeps the fused projection's storage (what attention saves), ``q``
+    and ``k`` are new tensors (rope, cat)."""
+    from validators import litgpt
+
+    torch.manual_seed(0)
+    config = litgpt.Config(n_embd=64, n_head=4, n_layer=1, padded_vocab_size=128, intermediate_size=256,
+                           rotary_percentage=0.5)
+    attn = litgpt.CausalSelfAttention(config, r=8, alpha=16, dropout=0.0)
+    seen = {}
+    attn.attn.register_forward_hook(lambda m, args, out: seen.setdefault("qkv", out))
+    original = torch.nn.functional.scaled_dot_product_attention
+    try:
+        torch.nn.functional.scaled_dot_product_attention = lambda q, k, v, **kw: seen.update(q=q, v=v) or original(
+            q, k, v, **kw)
+        attn(torch.randn(2, 8, 64), torch.ones(8, 8), torch.zeros(8, 8))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    qkv = seen["qkv"].untyped_storage().data_ptr()
+    assert seen["v"].untyped_storage().data_ptr() == qkv != seen["q"].untyped_storage().data_ptr()
 
 
 def test_one_micro_step_has_the_peak_of_the_accumulation_loop():
@@ -126,7 +152,6 @@ def test_one_micro_step_has_the_peak_of_the_accumulation_loop():
     checkpointing (the validator's rows were also checked with 4 steps, fp32/fp16, AdamW/Adafactor,
     with and without checkpointing: equal to the byte)."""
     _needs_transformers()
-    import torch
     from validators import published_data
 
     transformers = _common.import_optional("transformers", "transformers")
@@ -162,3 +187,24 @@ def test_torchtitan_rows_name_what_fxmem_refuses():
         Strategy(data_parallel=8, sharding="zero3", master_weights=True)
     titan = [r for r in ROWS if r.key.startswith("torchtitan-")]
     assert titan and all("MixedPrecisionPolicy" in r.not_estimable for r in titan)
+
+
+@pytest.mark.parametrize("norm, mlp, rotary, parallel", [("RMSNorm", "LLaMAMLP", 1.0, False),
+                                                        ("LayerNorm", "GptNeoxMLP", 0.5, True)])
+def test_litgpt_stand_in_is_captured_exactly(norm, mlp, rotary, parallel):
+    """The stand-in's iteration (fused LoRA QKV, bf16 with an fp32 rope cache, Fabric's fp32
+    outputs, three 128-token LM-head chunks) against the CPU allocator: exact (0 B)."""
+    from validators import litgpt
+    from validators.cpu import measure_user_step
+
+    config = litgpt.Config(n_embd=64, n_head=4, n_layer=2, padded_vocab_size=128, intermediate_size=128,
+                           rotary_percentage=rotary, parallel_residual=parallel, norm=norm, mlp=mlp)
+
+    def make():
+        torch.manual_seed(0)
+        return litgpt.build(config, 260, device="cpu")
+
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids.clone()}
+    rep = estimator.report(make(), sample, step=litgpt.lora_step(4), optimizer=litgpt.optimizer, device="cpu")
+    assert rep.peak_bytes == measure_user_step(make(), sample, litgpt.lora_step(4), litgpt.optimizer).peak_bytes

@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
 CUDA_ONLY = "# needs a CUDA device"
 # ``expression   # 13,190,059,520: what it is``: one integer, then ':' or the end
 CLAIM = re.compile(r"^(?P<expr>[^#=]+?)\s+#\s*(?P<number>\d{1,3}(?:,\d{3})+|\d+)(?::|\s*$)")
@@ -54,8 +54,8 @@ def test_readme_block(index):
 
 
 def test_the_first_commands_report_begins_as_the_readme_shows():
-    command = re.search(r"```bash\n.*?&& (fxmem report [^\n]*)\n", README.read_text(), re.S)[1]
-    shown = re.search(r"```text\n(.*?)```", README.read_text(), re.S)[1].splitlines()
+    command = re.search(r"```bash\n.*?&& (fxmem report [^\n]*)\n", README.read_text(), re.DOTALL)[1]
+    shown = re.search(r"```text\n(.*?)```", README.read_text(), re.DOTALL)[1].splitlines()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "estimator", *command.split()[1:]], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env=env, check=False)

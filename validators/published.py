@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -193,36 +194,16 @@ def to_markdown(results: dict[str, Result], meta: dict[str, Any]) -> str:
         f"transformers {meta.get('transformers', '?')}; {meta.get('seconds', '?')} s of captures on this host).",
         "",
     ]
-    compared = [results[r.key] for r in rows if results[r.key].status == Status.COMPARED]
-    if compared:
-        diffs = sorted(abs(r.difference) for r in compared)
-        lines += [f"**{len(compared)} rows compared: median |difference| {diffs[len(diffs) // 2]:.1f} %, largest "
-                  f"{diffs[-1]:.1f} %; {sum(1 for r in rows if results[r.key].status == Status.NOT_ESTIMABLE)} not "
-                  f"estimable, {sum(1 for r in rows if results[r.key].status == Status.NO_VALUE)} without a "
-                  f"published value, {sum(1 for r in rows if results[r.key].status == Status.FAILED)} failed.**", ""]
-    header = ["row", "model / setup", "GPU", "batch", "seq", "precision", "optimizer", "measured", "published",
-              "predicted"] + (["one step"] if run_model else []) + ["difference"] + \
-             (["one-step difference"] if run_model else []) + ["basis", "stack differences"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if h in ("published", "predicted", "one step",
-              "difference", "one-step difference") else "---" for h in header) + "|"]
-    for row in rows:
-        res = results[row.key]
-        unit, name, digits = _unit(row)
-        approx = row.published is not None and row.published.approximate
-        published = row.published.text if row.published is not None else ""
-        if res.status == Status.COMPARED:
-            predicted, difference = _fmt(res.predicted, unit, name, digits), _diff(res.difference, approx)
-            step = _fmt(res.predicted_step, unit, name, digits)
-            step_diff = _diff(res.step_difference, approx)
-            basis = res.basis
-        else:
-            predicted, difference, step, step_diff, basis = f"{res.status}: {res.detail}", "", "", "", ""
-        s = row.setup
-        cells = [f"`{row.key}`", s.model + (f" (stand-in: {row.stand_in})" if row.stand_in else ""), s.gpu, s.batch,
-                 s.seq_len, s.precision, s.optimizer, row.quantity.value, published, predicted] + \
-                ([step] if run_model else []) + [difference] + ([step_diff] if run_model else []) + \
-                [basis, ", ".join(d.label for d in row.differences)]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    current, older = [r for r in rows if not r.older_stack], [r for r in rows if r.older_stack]
+    lines += [_summary(current, results, "on the stacks fxmem models (torch 2.x)"),
+              _summary(older, results, "on older stacks (torch 1.x, below: each gap against its stack difference)"),
+              ""]
+    lines += _table(current, results, run_model)
+    if older:
+        lines += ["", "## Older stacks", "",
+                  "Measured on torch 1.x, whose kernels, autograd and caching allocator fxmem does not model: the "
+                  "*stack differences* say what each gap is, quantified where a source allows it.", ""]
+        lines += _table(older, results, run_model)
     lines += _series_section(results)
     lines += ["", "## Stack differences", ""]
     seen: dict[str, str] = {}
@@ -249,6 +230,47 @@ def to_markdown(results: dict[str, Result], meta: dict[str, Any]) -> str:
                      f"{_b(res.step_reserved)} | {_b(res.context)} | {'' if res.steps is None else res.steps} | "
                      f"{res.seconds} s |")
     return "\n".join(lines) + "\n"
+
+
+def _summary(rows: list[Row], results: dict[str, Result], where: str) -> str:
+    """The first line of a group of rows: how many, the median and largest |difference|, and what
+    is not compared."""
+    compared = sorted(abs(results[r.key].difference) for r in rows if results[r.key].status == Status.COMPARED)
+
+    def count(status: str) -> int:
+        return sum(1 for r in rows if results[r.key].status == status)
+
+    stats = (f"median |difference| {statistics.median(compared):.1f} %, largest {compared[-1]:.1f} %"
+             if compared else "none compared")
+    return (f"**{len(compared)} rows {where}: {stats}; {count(Status.NOT_ESTIMABLE)} not estimable, "
+            f"{count(Status.NO_VALUE)} without a published value, {count(Status.FAILED)} failed.**  ")
+
+
+def _table(rows: list[Row], results: dict[str, Result], run_model: bool) -> list[str]:
+    header = ["row", "model / setup", "GPU", "batch", "seq", "precision", "optimizer", "measured", "published",
+              "predicted"] + (["one step"] if run_model else []) + ["difference"] + \
+             (["one-step difference"] if run_model else []) + ["basis", "stack differences"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if h in ("published", "predicted", "one step",
+             "difference", "one-step difference") else "---" for h in header) + "|"]
+    for row in rows:
+        res = results[row.key]
+        unit, name, digits = _unit(row)
+        approx = row.published is not None and row.published.approximate
+        published = row.published.text if row.published is not None else ""
+        if res.status == Status.COMPARED:
+            predicted, difference = _fmt(res.predicted, unit, name, digits), _diff(res.difference, approx)
+            step = _fmt(res.predicted_step, unit, name, digits)
+            step_diff = _diff(res.step_difference, approx)
+            basis = res.basis
+        else:
+            predicted, difference, step, step_diff, basis = f"{res.status}: {res.detail}", "", "", "", ""
+        s = row.setup
+        cells = [f"`{row.key}`", s.model + (f" (stand-in: {row.stand_in})" if row.stand_in else ""), s.gpu, s.batch,
+                 s.seq_len, s.precision, s.optimizer, row.quantity.value, published, predicted] + \
+                ([step] if run_model else []) + [difference] + ([step_diff] if run_model else []) + \
+                [basis, ", ".join(d.label for d in row.differences)]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
 
 
 def line(points: list[tuple[int, int]]) -> tuple[float, float]:

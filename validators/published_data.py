@@ -20,13 +20,11 @@ weights are downloaded or allocated).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from estimator.integrations._common import import_optional
@@ -119,6 +117,13 @@ class Row:
     missing: str | None = None  # why there is no published value
     stand_in: str | None = None  # the model fxmem is given when it is not the source's own code
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def older_stack(self) -> bool:
+        """Measured on a PyTorch older than 2.0 (``OLDER_STACKS``), whose kernels, autograd and
+        allocator fxmem does not model: compared apart, each gap set against its cited stack
+        difference."""
+        return any(d in OLDER_STACKS for d in self.differences)
 
 
 def _transformers():
@@ -277,6 +282,7 @@ CUBLAS_INIT = Difference("cuBLAS outside the allocator", "nvidia-smi also counts
                          "the cuBLAS workspace was cuBLAS's own, not the allocator's 2 x 8.1 MiB")
 EPOCH = Difference("whole epoch", "nvidia-smi after a whole epoch (128 optimizer steps at batch 4) vs fxmem's run "
                    "model: fragmentation that builds up over many steps")
+OLDER_STACKS = (TORCH_110,)
 _HF_COMMON_DIFFERENCES = (TORCH_110, BERT_416, CUBLAS_INIT, EPOCH)
 
 
@@ -514,71 +520,6 @@ TITAN_ROWS = (
 # -- LitGPT resource tables (lit-gpt commit 8641822, October 2023): LoRA fine-tuning on 1 A100 ------
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear plus lit-gpt's ``LoRALinear`` update: ``base(x) + (dropout(x) @ A^T @
-    B^T) * alpha / r`` (A and B in the base weight's dtype: ``bf16-true`` makes every parameter
-    bf16)."""
-
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
-        super().__init__()
-        self.base = base
-        self.base.requires_grad_(False)
-        w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, dtype=w.dtype, device=w.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=w.dtype, device=w.device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.lora_dropout = nn.Dropout(dropout)
-        self.scaling = alpha / r
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (self.lora_dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) \
-            * self.scaling
-
-
-def with_lora(model: nn.Module, targets: tuple[str, ...] = ("q_proj", "v_proj"), r: int = 8, alpha: float = 16,
-              dropout: float = 0.05) -> nn.Module:
-    """Freeze ``model`` and put a LoRA update on every linear named in ``targets`` (lit-gpt's
-    defaults then: r 8, alpha 16, dropout 0.05, query and value only)."""
-    model.requires_grad_(False)
-    for module in list(model.modules()):
-        for name in targets:
-            child = getattr(module, name, None)
-            if isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, r, alpha, dropout))
-    return model
-
-
-def llama2(size: str) -> nn.Module:
-    """Llama 2 7B / 13B (meta-llama/Llama-2-{7b,13b}-hf's config) in bf16 with q/v LoRA."""
-    transformers = _transformers()
-    dims = {"7b": (4096, 11008, 32, 32), "13b": (5120, 13824, 40, 40)}[size]
-    hidden, ffn, layers, heads = dims
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=ffn,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                                      max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                      attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    return with_lora(model)
-
-
-def phi15() -> nn.Module:
-    """phi-1.5 (microsoft/phi-1_5's config: 24 layers, width 2048, 32 heads, MLP 8192, rotary on
-    half of each head, vocabulary padded to 51,200) in bf16 with q/v LoRA.  The activation is
-    ``gelu_pytorch_tanh`` (``F.gelu(x, approximate="tanh")``, one kernel), what lit-gpt's
-    ``GptNeoxMLP`` runs (``gelu_approximate="tanh"``); the hub config's ``gelu_new`` is the same
-    function written as six elementwise ops, each output saved for backward."""
-    transformers = _transformers()
-    config = transformers.PhiConfig(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                                    num_attention_heads=32, partial_rotary_factor=0.5,
-                                    max_position_embeddings=2048, resid_pdrop=0.0, embd_pdrop=0.0,
-                                    attention_dropout=0.0, attn_implementation="sdpa",
-                                    hidden_act="gelu_pytorch_tanh")
-    with torch.device("meta"):
-        model = transformers.PhiForCausalLM._from_config(config, dtype=torch.bfloat16)
-    return with_lora(model)
-
-
 def lit_batch(b: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
     """The first iteration's batch: lit-gpt's ``get_batch`` forces the longest training sample
     first ("so potential OOMs happen right away"), the others padded to its length."""
@@ -587,62 +528,34 @@ def lit_batch(b: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def litgpt_lora_step(accumulate: int, chunk: int = 128):
-    """One iteration of lit-gpt's ``finetune/lora.py`` (8641822): ``logits = model(input_ids,
-    lm_head_chunk_size=128)`` (a list of LM-head outputs, 128 tokens each), the last one cut by a
-    token, ``chunked_cross_entropy`` (per-chunk ``reduction="none"``, ``cat``, ``mean``),
-    ``backward(loss / gradient_accumulation_iters)``, then ``optimizer.step(); zero_grad()``
-    (lit-gpt steps once per ``accumulate`` iterations; the peak is the backward of the first,
-    longest one)."""
+def litgpt_lora(name: str, b: int, seq: int) -> Callable[[], Prediction]:
+    """lit-gpt's own LoRA GPT (``validators.litgpt``, written to follow 8641822) and one iteration
+    of its ``finetune/lora.py`` through Fabric's ``bf16-true`` (mini-batch 128)."""
+    from validators import litgpt
 
-    def step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer) -> None:
-        ids, targets = batch["input_ids"], batch["labels"]
-        hidden = model.model(input_ids=ids).last_hidden_state
-        logits = [model.lm_head(h) for h in hidden.split(chunk, dim=1)]
-        logits[-1] = logits[-1][..., :-1, :]
-        targets = targets[..., 1:]
-        logit_chunks = [c.reshape(-1, c.size(-1)) for c in logits]
-        target_chunks = [t.reshape(-1) for t in targets.split(logits[0].size(1), dim=1)]
-        loss = torch.cat([F.cross_entropy(c, t, ignore_index=-1, reduction="none")
-                          for c, t in zip(logit_chunks, target_chunks)]).mean()
-        (loss / accumulate).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
-
-
-def _lora_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """finetune/lora.py: ``torch.optim.AdamW(trainable_params, lr=3e-4, weight_decay=0.01)``."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.01)
-
-
-def litgpt_lora(build: Callable[[], nn.Module], b: int, seq: int, vocab: int) -> Callable[[], Prediction]:
     def predict() -> Prediction:
-        return Prediction(build(), lit_batch(b, seq, vocab),
-                          {"step": litgpt_lora_step(128 // b), "optimizer": _lora_optimizer})
+        model = litgpt.build(name, seq)
+        return Prediction(model, lit_batch(b, seq, litgpt.CONFIGS[name].padded_vocab_size),
+                          {"step": litgpt.lora_step(128 // b), "optimizer": litgpt.optimizer})
 
     return predict
 
 
 _LIT_URL = "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md"
 _LIT_TITLE = "LitGPT Resource Tables ('Finetuning with LoRA on 1 GPU')"
-_LIT_DATE = "2023-10-20 ('Last updated: 10/20/2023', LitGPT commit 8641822)"
-_LIT_STACK = ("lit-gpt 8641822 (its own GPT: fused QKV LoRAQKVLinear), PyTorch 2.1.0+cu121, Lightning Fabric "
-              "precision bf16-true, SDPA (flash); driver 525.125.06")
+_LIT_DATE = "2023-10-20 ('Last updated: 10/20/2023', LitGPT commit 8641822; added by PR #663, 0cc02afa)"
+_LIT_STACK = ("lit-gpt at the table's PR #663 (0cc02afa: its own GPT, fused QKV LoRAQKVLinear, fp32 RMSNorm of PR "
+              "#606), PyTorch 2.1.0+cu121, Lightning Fabric precision bf16-true, torch SDPA; driver 525.125.06")
 _LIT_MEASURE = ("'Max GPU RAM' is finetune/lora.py's `Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} "
-                "GB` at the end of the run (8641822)")
+                "GB` at the end of the run")
+_LIT_CODE = Difference(
+    "lit-gpt 0cc02afa", "the table names 'Lit-GPT commit 8641822' (2023-10-16) and was merged by its PR #663 "
+    "(0cc02afa, 2023-10-27); in between, PR #606 (2023-10-24) made RMSNorm compute in fp32. The stand-in follows "
+    "0cc02afa: with 8641822's bf16 RMSNorm the Llama 2 rows (the only RMSNorm models here) come out -3.1 / -4.7 / "
+    "-2.7 % (20.65, 27.69, 37.10 GB), with #606's within 0.2 %, so the runs had it (validators/litgpt.py; "
+    "`RMSNorm.upcast = False` gives 8641822's)")
 _LIT_DIFFERENCES = (
-    Difference("HF model + LoRA stand-in", "transformers' LlamaForCausalLM / PhiForCausalLM with a LoRA on q_proj and "
-               "v_proj each (each applies its own lora_dropout to x: two dropout masks and outputs per layer) vs "
-               "lit-gpt's own GPT with a fused LoRAQKVLinear (one dropout, conv1d + zero_pad into the fused qkv "
-               "output); HF RMSNorm/LayerNorm and rotary code vs lit-gpt's"),
-    Difference("fused qkv", "lit-gpt's v is a view of the fused qkv output, so the v that SDPA saves keeps all of "
-               "qkv (3 x width) alive: +2 x width per layer and token vs the stand-in's own v_proj output, against "
-               "the stand-in's second dropout (+1.5 x width): net +0.5 x width per layer and token for lit-gpt "
-               "(~0.17 GB per Llama-2-7B sample at 1304 tokens, ~0.05 GB per phi-1.5 sample at 1044)"),
-    Difference("flash-attn?", "lit-gpt calls flash-attn's flash_attn_func when that package is installed; the "
-               "table lists PyTorch and bitsandbytes only, so torch's SDPA is assumed"),
+    _LIT_CODE,
     Difference("whole run", "max_memory_allocated over a whole run (the sanity-check validation with a KV cache "
                "for generation, 1k iterations) vs the first iteration's step; the LoRA gradients (a few MB) stay "
                "between the 128 / micro-batch accumulation iterations"),
@@ -650,7 +563,7 @@ _LIT_DIFFERENCES = (
 )
 
 
-def _lit_row(key: str, model: str, line: str, gb: str, batch: int, seq: int, build, vocab: int, trainable: int) -> Row:
+def _lit_row(key: str, model: str, line: str, gb: str, batch: int, seq: int, name: str, trainable: int) -> Row:
     return Row(
         key=key,
         source=Source(_LIT_URL, _LIT_TITLE, _LIT_DATE,
@@ -660,33 +573,43 @@ def _lit_row(key: str, model: str, line: str, gb: str, batch: int, seq: int, bui
         setup=Setup(model=f"{model}, LoRA r=8 alpha=16 dropout 0.05 on query and value ({trainable:,} trainable)",
                     gpu="1 x A100-SXM4-40GB", batch=f"micro-batch {batch} (mini-batch 128)",
                     seq_len=f"{seq} (the longest Alpaca sample, forced into the first batch)",
-                    precision="bf16-true (bf16 weights, no autocast)",
+                    precision="bf16-true (bf16 weights, no autocast; outputs cast to fp32)",
                     optimizer="torch.optim.AdamW on the LoRA parameters", stack=_LIT_STACK, fxmem_gpu="A100 40GB"),
         quantity=Quantity.ALLOCATED,
         published=Published(gb, round(float(gb.split()[0]) * GB)),
-        predict=litgpt_lora(build, batch, seq, vocab),
-        stand_in=("PhiForCausalLM" if "phi" in key else "LlamaForCausalLM") + " + LoRALinear on q_proj, v_proj",
+        predict=litgpt_lora(name, batch, seq),
+        stand_in=f"validators/litgpt.py: lit-gpt's GPT and LoRAQKVLinear ({name}), Fabric bf16-true",
         differences=_LIT_DIFFERENCES,
         notes=(f"trainable parameters: {trainable:,} as the table says",),
     )
 
 
+_PHI, _STABLELM, _LLAMA = "1.3 B | phi-1.5", "3 B   | StabeLM Alpha", "Llama 2"
 LIT_ROWS = (
-    _lit_row("litgpt-phi-1.5-lora-mb1", "phi-1.5", "| 1.3 B | phi-1.5 | None | 1 | 1,572,864 | 4.82 GB | 1.62 min |",
-             "4.82 GB", 1, 1044, phi15, 51200, 1_572_864),
-    _lit_row("litgpt-phi-1.5-lora-mb2", "phi-1.5", "| 1.3 B | phi-1.5 | None | 2 | 1,572,864 | 6.76 GB | 1.65 min |",
-             "6.76 GB", 2, 1044, phi15, 51200, 1_572_864),
-    _lit_row("litgpt-phi-1.5-lora-mb4", "phi-1.5", "| 1.3 B | phi-1.5 | None | 4 | 1,572,864 | 10.68 GB | 1.70 min |",
-             "10.68 GB", 4, 1044, phi15, 51200, 1_572_864),
+    _lit_row("litgpt-phi-1.5-lora-mb1", "phi-1.5", f"| {_PHI} | None | 1 | 1,572,864 | 4.82 GB | 1.62 min |",
+             "4.82 GB", 1, 1044, "phi-1_5", 1_572_864),
+    _lit_row("litgpt-phi-1.5-lora-mb2", "phi-1.5", f"| {_PHI} | None | 2 | 1,572,864 | 6.76 GB | 1.65 min |",
+             "6.76 GB", 2, 1044, "phi-1_5", 1_572_864),
+    _lit_row("litgpt-phi-1.5-lora-mb4", "phi-1.5", f"| {_PHI} | None | 4 | 1,572,864 | 10.68 GB | 1.70 min |",
+             "10.68 GB", 4, 1044, "phi-1_5", 1_572_864),
+    _lit_row("litgpt-stablelm-3b-lora-mb1", "StableLM Alpha 3B",
+             f"| {_STABLELM} | None | 1 | 2,097,152 | 9.69 GB | 1.24 min |",
+             "9.69 GB", 1, 1034, "stablelm-base-alpha-3b", 2_097_152),
+    _lit_row("litgpt-stablelm-3b-lora-mb2", "StableLM Alpha 3B",
+             f"| {_STABLELM} | None | 2 | 2,097,152 | 12.10 GB | 1.33 min |",
+             "12.10 GB", 2, 1034, "stablelm-base-alpha-3b", 2_097_152),
+    _lit_row("litgpt-stablelm-3b-lora-mb4", "StableLM Alpha 3B",
+             f"| {_STABLELM} | None | 4 | 2,097,152 | 16.92 GB | 1.50 min |",
+             "16.92 GB", 4, 1034, "stablelm-base-alpha-3b", 2_097_152),
     _lit_row("litgpt-llama-2-7b-lora-mb1", "Llama 2 7B",
-             "| 7 B | Llama 2 | None | 1 | 4,194,304 | 21.30 GB | 2.36 min |",
-             "21.30 GB", 1, 1304, lambda: llama2("7b"), 32000, 4_194_304),
+             f"| 7 B | {_LLAMA} | None | 1 | 4,194,304 | 21.30 GB | 2.36 min |",
+             "21.30 GB", 1, 1304, "Llama-2-7b-hf", 4_194_304),
     _lit_row("litgpt-llama-2-7b-lora-mb2", "Llama 2 7B",
-             "| 7 B | Llama 2 | None | 2 | 4,194,304 | 29.07 GB | 2.52 min |",
-             "29.07 GB", 2, 1304, lambda: llama2("7b"), 32000, 4_194_304),
+             f"| 7 B | {_LLAMA} | None | 2 | 4,194,304 | 29.07 GB | 2.52 min |",
+             "29.07 GB", 2, 1304, "Llama-2-7b-hf", 4_194_304),
     _lit_row("litgpt-llama-2-13b-lora-mb1", "Llama 2 13B",
-             "| 13 B | Llama 2 | None | 1 | 6,553,600 | 38.12 GB | 3.19 min |",
-             "38.12 GB", 1, 1304, lambda: llama2("13b"), 32000, 6_553_600),
+             f"| 13 B | {_LLAMA} | None | 1 | 6,553,600 | 38.12 GB | 3.19 min |",
+             "38.12 GB", 1, 1304, "Llama-2-13b-hf", 6_553_600),
     Row(
         key="litgpt-llama-2-7b-qlora-nf4-mb1",
         source=Source(_LIT_URL, _LIT_TITLE, _LIT_DATE, f"table 'Finetuning with LoRA on 1 GPU'; {_LIT_MEASURE}",
@@ -763,6 +686,8 @@ SERIES: tuple[Series, ...] = (
            (("hf-bert-large-b1-ga4", 1), ("hf-bert-large-b4", 4))),
     Series("LitGPT phi-1.5 LoRA, per sample of the micro-batch (1044 tokens)",
            (("litgpt-phi-1.5-lora-mb1", 1), ("litgpt-phi-1.5-lora-mb2", 2), ("litgpt-phi-1.5-lora-mb4", 4))),
+    Series("LitGPT StableLM Alpha 3B LoRA, per sample of the micro-batch (1034 tokens)",
+           (("litgpt-stablelm-3b-lora-mb1", 1), ("litgpt-stablelm-3b-lora-mb2", 2), ("litgpt-stablelm-3b-lora-mb4", 4))),
     Series("LitGPT Llama 2 7B LoRA, per sample of the micro-batch (1304 tokens)",
            (("litgpt-llama-2-7b-lora-mb1", 1), ("litgpt-llama-2-7b-lora-mb2", 2))),
 )

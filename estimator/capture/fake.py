@@ -291,6 +291,11 @@ def row_lists(sample: Any, path: str = ""):
             yield from row_lists(value, f"{path}[{i}]")
 
 
+def has_row_lists(dims: tuple[int | None, ...] | None) -> bool:
+    """Whether a sample's batch dims (per leaf) say it has row lists (their leaves: None)."""
+    return dims is not None and None in dims
+
+
 def row_list_tensors(sample: Any) -> set[int]:
     """The ids of the tensors in the sample's row lists."""
     return {id(t) for _, rows in row_lists(sample) for t in tree_flatten(rows)[0] if isinstance(t, torch.Tensor)}

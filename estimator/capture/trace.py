@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from estimator import corrections, custom_ops, step
 from estimator.capture import compiled, datadep, generation, tracing
 from estimator.capture.fake import (SIZE_MAX, RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note,
-                                    isolated, sample_rows, with_rows)
+                                    has_row_lists, isolated, sample_rows, with_rows)
 from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
@@ -134,8 +134,8 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     # A one-row sample is captured with b hinted at 2 (sizes 0 and 1 specialize): code that reads
     # values only for several rows (generate()'s right-padding check) reads them in the capture,
     # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
-    rows_lists = spec.batch_dims is not None and None in spec.batch_dims
-    probe_sample = _with_rows(sample, batch, spec.batch_dims) if symbolic or rows_lists else sample
+    cycled = symbolic or has_row_lists(spec.batch_dims)
+    probe_sample = _with_rows(sample, batch, spec.batch_dims) if cycled else sample
     if policy.needs_probe:
         try:
             spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
@@ -177,8 +177,8 @@ def _with_rows(sample: Any, batch: int, batch_dims: tuple[int | None, ...] | Non
     a sample with row lists with its rows cycled to ``batch`` (the capture at ``batch`` cycles
     them so: the probe then runs what it runs); any other sample as it is."""
     rows, _ = sample_rows(sample, batch_dims)
-    lists = batch_dims is not None and None in batch_dims
-    if rows == batch or not lists and (rows != 1 or batch <= 1):
+    lists = has_row_lists(batch_dims)
+    if rows == batch or (not lists and (rows != 1 or batch <= 1)):
         return sample
     if lists:
         sample, batch_dims = with_rows(sample, batch_dims, batch)
@@ -276,7 +276,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         spec.compiled.apply(fmodel)
     dims = spec.batch_dims
     rows, common_dim = sample_rows(sample, dims)
-    if dims is not None and None in dims:  # row lists: a list of dicts, one per row
+    if has_row_lists(dims):  # a list of dicts, one per row
         if symbolic:
             raise SymbolicCaptureFailed("the sample's row lists (a list of dicts, one per row) make the batch size a "
                                         "Python length")
