@@ -8,7 +8,9 @@ allocator's measurement at b = 1, 3, 17 (tolerance: 0 B).
 - a binary op with inputs of two dtypes copies the other one to the common dtype
   (TensorIterator's input promotion, registry.py ``_promoted_input_bytes``): the backward of
   ``scatter_reduce(..., "amax")`` multiplies a bool mask by a float gradient;
-- ``abs`` of a complex tensor computes into a complex temporary (corrections/complex.py).
+- ``abs`` of a complex tensor computes into a complex temporary (corrections/complex.py);
+- pooling kernels copy a tensor laid out otherwise than row-major (a sum's expanded gradient, a
+  channels-last or transposed map; corrections/cpu/reduce.py, measured on the host).
 
 The models are ``validators.outside``'s (``python -m validators.outside`` runs them at b = 2, 8, 32).
 """
@@ -20,10 +22,12 @@ import torch
 
 import estimator
 from validators.cpu import measure_cpu
-from validators.outside import ComplexWeights, MaxMessages, TransposedNorm, UpsamplePool, sum_loss as _sum
+from validators.outside import (ComplexWeights, MaxMessages, StridedPools, TransposedNorm, UpsamplePool,
+                                sum_loss as _sum)
 
 
-CASES = {UpsamplePool: (3, 16, 16), TransposedNorm: (4, 8, 8), MaxMessages: (32,), ComplexWeights: (16,)}
+CASES = {UpsamplePool: (3, 16, 16), TransposedNorm: (4, 8, 8), MaxMessages: (32,), ComplexWeights: (16,),
+         StridedPools: (4, 12, 12)}
 
 
 @pytest.mark.parametrize("model", list(CASES), ids=lambda m: m.__name__)

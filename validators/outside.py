@@ -113,6 +113,22 @@ class TransposedNorm(nn.Module):
         return self.fc(self.norm(self.conv(x)).flatten(1))
 
 
+class StridedPools(nn.Module):
+    """Pooling kernels copy a tensor laid out otherwise than row-major: an overlapping max pool of
+    a channels-last map (its backward gets a sum's expanded gradient too) and an adaptive average
+    pool of a transposed grouped ``Conv1d`` output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv2d, self.pool2d = nn.Conv2d(4, 8, 3, padding=1), nn.MaxPool2d(3, 1, 1)
+        self.conv1d, self.pool1d = nn.Conv1d(8, 16, 3, groups=4, padding=1), nn.AdaptiveAvgPool1d(4)
+
+    def forward(self, x):  # x: (b, 4, 12, 12)
+        h = self.pool2d(self.conv2d(x).contiguous(memory_format=torch.channels_last))
+        seq = self.conv1d(h.flatten(2)[:, :, :50]).transpose(1, 2).contiguous().transpose(1, 2)
+        return self.pool1d(seq).sum((1, 2)) + h.sum((1, 2, 3))
+
+
 class MaxMessages(nn.Module):
     """Message passing (each node to the next two; max, then sum): ``scatter_reduce`` amax's
     backward multiplies a bool mask by a float gradient (TensorIterator copies the mask)."""
@@ -335,6 +351,8 @@ CASES: dict[str, Case] = {
                                      what="a copy inside the backward's mul (28.6)"),
     "upsample + global pool": Case(_fixed(UpsamplePool), _randn(3, 16, 16), loss_fn=sum_loss,
                                    what="the upsample kernel's copies (27.7)"),
+    "strided max / adaptive pools": Case(_fixed(StridedPools), _randn(4, 12, 12), loss_fn=sum_loss,
+                                         what="the pooling kernels' copies of strided tensors (27.7)"),
     "LayerNorm over (C, H, W)": Case(_fixed(TransposedNorm), _randn(4, 8, 8), loss_fn=sum_loss,
                                      what="the backward's per-thread buffer (27.7)"),
     "complex-valued weights, inference": Case(_fixed(ComplexWeights), _randn(16), mode="inference",
