@@ -68,8 +68,12 @@ def _batch_sizes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _values(t: torch.Tensor) -> list[int]:
+    return _as_list(_batch_sizes(t))
+
+
+def _as_list(real: torch.Tensor | None) -> list[int] | None:
     with _disable_current_modes():
-        return _batch_sizes(t).tolist()
+        return None if real is None else real.tolist()
 
 
 def _known(values: list[int]) -> torch.Tensor:
@@ -130,9 +134,7 @@ def pack_padded_sequence(spec, func, args, kwargs):
     if lengths.shape[0] != batch:
         raise InputError(f"pack_padded_sequence: {lengths.shape[0]} lengths for a batch of {batch}")
     mode = _mode()
-    given = mode.shadows.get(lengths)
-    with _disable_current_modes():
-        given = None if given is None else given.tolist()
+    given = _as_list(mode.shadows.get(lengths))  # the sample's own lengths, where they follow it
     if given is not None and (min(given) <= 0 or max(given) > time or given != sorted(given, reverse=True)):
         raise InputError(f"pack_padded_sequence: the lengths {given} must be positive, at most the padded length "
                          f"{time}, and sorted longest first (enforce_sorted=False sorts them)")
