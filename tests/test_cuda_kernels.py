@@ -322,3 +322,34 @@ def test_cublas_clones_a_matrix_it_cannot_read():
     assert clone_bytes(base[:, :16]) == 0  # strides (64, 1): leading dimension 64 >= 16
     assert clone_bytes(torch.ones(()).expand(4, 4)) == 4 * 4 * 4  # stride (0, 0): a clone
     assert clone_bytes(base[:, ::2][:, :16]) == 16 * 4 * 4  # strides (64, 2): neither stride is 1
+
+
+# -- pooling ------------------------------------------------------------------------------------
+class _Pool(nn.Module):
+    def __init__(self, pool, transposed: bool):
+        super().__init__()
+        self.scale, self.pool, self.transposed = nn.Parameter(torch.ones(())), pool, transposed
+
+    def forward(self, x):
+        x = x * self.scale  # (something to train)
+        return self.pool(x.transpose(2, 3) if self.transposed else x)
+
+
+def _pool_sum(out, sample):
+    return out.sum()  # its gradient: an expanded (stride-0) tensor of the pool's output size
+
+
+@pytest.mark.parametrize("pool, name", [(nn.MaxPool2d(3, 1, 1), "aten.max_pool2d_with_indices"),
+                                        (nn.AvgPool2d(3, 1, 1), "aten.avg_pool2d")])
+def test_pooling_copies_what_its_memory_format_does_not_hold(pool, name):
+    """cuda/DilatedMaxPool2d.cu, cuda/AveragePool2d.cu: ``input_.contiguous(memory_format)`` in
+    forward and backward, ``gradOutput_.contiguous(memory_format)`` in backward.  x (2, 4, 8, 8)
+    fp32 = 2,048 B, the (same-sized) output's expanded gradient 2,048 B; the CPU target measures
+    these calls instead (corrections/cpu/reduce.py)."""
+    x = torch.randn(2, 4, 8, 8)
+    plain = _ops(_Pool(pool, False), x, CUDA, loss=_pool_sum)
+    assert _find(plain, f"{name}.default")[0][3] == []
+    assert _find(plain, f"{name}_backward.default")[0][3] == [2048]  # the gradient only
+    transposed = _ops(_Pool(pool, True), x, CUDA, loss=_pool_sum)
+    assert _find(transposed, f"{name}.default")[0][3] == [2048]  # the input
+    assert _find(transposed, f"{name}_backward.default")[0][3] == [2048 + 2048]
