@@ -353,3 +353,10 @@ def test_pooling_copies_what_its_memory_format_does_not_hold(pool, name):
     transposed = _ops(_Pool(pool, True), x, CUDA, loss=_pool_sum)
     assert _find(transposed, f"{name}.default")[0][3] == [2048]  # the input
     assert _find(transposed, f"{name}_backward.default")[0][3] == [2048 + 2048]
+
+
+def test_adaptive_average_pool_copies_a_gradient_it_reads_contiguous():
+    """cuda/AdaptiveAveragePooling.cu, ``Contiguous`` branch: ``gradOutput_.contiguous()``: the
+    sum's expanded gradient of a (2, 4, 3, 3) output, 288 B."""
+    ops = _ops(_Pool(nn.AdaptiveAvgPool2d(3), False), torch.randn(2, 4, 8, 8), CUDA, loss=_pool_sum)
+    assert _find(ops, "aten._adaptive_avg_pool2d_backward.default")[0][3] == [288]

@@ -467,3 +467,13 @@ def pool2d_backward_copies(args, kwargs, out) -> Fix:
     channels_last = _suggested_channels_last(x)
     copies = _copy_bytes(x, channels_last) + _copy_bytes(grad, channels_last)
     return Fix(scratch=(copies,)) if copies else NO_FIX
+
+
+@correction(aten._adaptive_avg_pool2d_backward.default, targets=Target.CUDA)
+def adaptive_avg_pool2d_backward_copy(args, kwargs, out) -> Fix:
+    """``adaptive_avg_pool2d_backward_out_cuda_template`` (cuda/AdaptiveAveragePooling.cu): on the
+    ``Contiguous`` branch ``gradOutput = gradOutput_.contiguous()`` (the channels-last branch reads
+    ``gradOutput_`` through its strides): a copy of a gradient laid out otherwise, e.g. a sum's."""
+    grad, x = args[0], args[1]
+    copy = 0 if _suggested_channels_last(x) else _copy_bytes(grad, False)
+    return Fix(scratch=(copy,)) if copy else NO_FIX
