@@ -361,6 +361,7 @@ def test_detr_matches_on_the_host_with_the_probes_values():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert rep.peak_bytes == measure_cpu(detr(), detr_sample(3)).peak_bytes
     assert (rep.valid_from, rep.valid_to) == (3, 3)  # the loss loops over the images: held at b = 3
+    assert any("3 tensor value(s) read on the host with .numpy()" in n for n in rep.notes)  # one matching per image
 
 
 def test_row_lists_cycle_to_another_batch():

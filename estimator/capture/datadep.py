@@ -212,6 +212,7 @@ class DataDependent(TorchDispatchMode):
         self._budget = _PerStorage()  # a one-hot tensor (or a copy of part of it) -> [ones left]
         self._distinct = _PerStorage()  # arange outputs (distinct values) -> True
         self.assumed: dict[str, None] = {}  # floating-point values answered with 0.0 (by site)
+        self.host_reads: dict[str, None] = {}  # .numpy() values the probe's real run gave (by site)
         self.shadows = Shadows()  # the real values of what follows the sample alone
 
     def shadow_sample(self, fsample, sample, batch_dims: tuple[int, ...] | None = None) -> None:
@@ -315,6 +316,7 @@ class DataDependent(TorchDispatchMode):
             return real
         seen = self.policy.values.get(key)
         if hasattr(seen, "__array__") and getattr(seen, "shape", None) == tuple(t.shape):
+            self.host_reads[key] = None
             return seen
         raise NeedsProbe(f"values read on the host ({key}, .numpy()): only a real run of the model can give them")
 
@@ -731,6 +733,16 @@ def assumed_note(keys) -> tuple[str, ...]:
     return (f"{len(keys)} floating-point value(s) read with .item()/float() (at {where}) were taken as 0.0: "
             "fake tensors have no values; memory does not depend on a value that is logged or compared, but a "
             "step that branches on it may allocate otherwise",)
+
+
+def host_note(keys) -> tuple[str, ...]:
+    """The note on values host code read (``.numpy()``) that the probe's real run gave."""
+    if not keys:
+        return ()
+    where = ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
+    return (f"{len(keys)} tensor value(s) read on the host with .numpy() (at {where}) are those of a real forward of "
+            "the model on the sample (the probe): sizes host code derives from them (a matching's indices) follow "
+            "this sample's values",)
 
 
 def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:

@@ -355,6 +355,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
+    notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "
                   "estimated as it ran, without gradients; if your real step backpropagates, check that the step "
