@@ -725,11 +725,16 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = Fal
     return recorder
 
 
+def _lines(keys) -> str:
+    """The user's lines of value sites (``"<module>:<op>@<file:line>#<k>"``), each once."""
+    return ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
+
+
 def assumed_note(keys) -> tuple[str, ...]:
     """The note on floating-point values the capture answered with 0.0."""
     if not keys:
         return ()
-    where = ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
+    where = _lines(keys)
     return (f"{len(keys)} floating-point value(s) read with .item()/float() (at {where}) were taken as 0.0: "
             "fake tensors have no values; memory does not depend on a value that is logged or compared, but a "
             "step that branches on it may allocate otherwise",)
@@ -739,7 +744,7 @@ def host_note(keys) -> tuple[str, ...]:
     """The note on values host code read (``.numpy()``) that the probe's real run gave."""
     if not keys:
         return ()
-    where = ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
+    where = _lines(keys)
     return (f"{len(keys)} tensor value(s) read on the host with .numpy() (at {where}) are those of a real forward of "
             "the model on the sample (the probe): sizes host code derives from them (a matching's indices) follow "
             "this sample's values",)

@@ -53,8 +53,9 @@ class Substitutions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _BACKWARD or getattr(func, "__wrapped__", None) in _BACKWARD:  # (a user step's phases wrap them)
-            return self._backward(getattr(func, "__wrapped__", func), args, kwargs)
+        base = getattr(func, "__wrapped__", func)  # (a user step's phases wrap backward())
+        if base in _BACKWARD:
+            return self._backward(base, args, kwargs)
         sub = substitution(self.spec.device, func)
         if sub is not None:
             result = sub(self.spec, func, args, kwargs)
