@@ -8,44 +8,39 @@
 'cpu'
 
 Importing ``estimator`` does not import torch: the names that need it load on first use
-(PEP 562), so ``fxmem --help`` and ``import estimator.errors`` stay fast.
+(PEP 562), so ``fxmem --help`` and ``import estimator.vocab.errors`` stay fast.
 """
 
 import importlib
 import importlib.abc
 import sys
 
-from estimator.categories import Category, Mode, Phase, Target
-from estimator.errors import CaptureError, FxmemError, InputError
-from estimator.units import GiB, KiB, MiB, format_bytes, parse_bytes
-
-# The subpackage estimator.report (torch-free) is loaded now and its name dropped: importing it
-# later would bind it over the function ``estimator.report``, which __getattr__ returns.
-importlib.import_module("estimator.report")
-globals().pop("report", None)
+from estimator.vocab.categories import Category, Mode, Phase, Target
+from estimator.vocab.errors import CaptureError, FxmemError, InputError
+from estimator.vocab.units import GiB, KiB, MiB, format_bytes, parse_bytes
 
 _LAZY = {
-    "report": "estimator.estimate",
+    "report": "estimator.api",
     "MemoryMonitor": "estimator.monitor",
     "MemoryWarning": "estimator.monitor",
-    "CapturePath": "estimator.report.result",
-    "ModuleRow": "estimator.report.result",
-    "Piece": "estimator.report.result",
-    "Report": "estimator.report.result",
-    "B": "estimator.symbolic",
-    "S": "estimator.symbolic",
-    "Strategy": "estimator.strategy",
-    "Sharding": "estimator.strategy",
-    "Schedule": "estimator.strategy",
-    "RankReport": "estimator.report.result",
+    "CapturePath": "estimator.reporting.result",
+    "ModuleRow": "estimator.reporting.result",
+    "Piece": "estimator.reporting.result",
+    "Report": "estimator.reporting.result",
+    "B": "estimator.vocab.symbolic",
+    "S": "estimator.vocab.symbolic",
+    "Strategy": "estimator.vocab.strategy",
+    "Sharding": "estimator.vocab.strategy",
+    "Schedule": "estimator.vocab.strategy",
+    "RankReport": "estimator.reporting.result",
     "compare": "estimator.planning",
     "plan": "estimator.planning",
     "Comparison": "estimator.planning",
-    "Poly": "estimator.symbolic",
-    "CudaMemory": "estimator.target.cuda",
-    "Overhead": "estimator.target.cuda",
-    "register_op": "estimator.custom_ops",
-    "unregister_op": "estimator.custom_ops",
+    "Poly": "estimator.vocab.symbolic",
+    "CudaMemory": "estimator.devices.cuda",
+    "Overhead": "estimator.devices.cuda",
+    "register_op": "estimator.corrections.custom_ops",
+    "unregister_op": "estimator.corrections.custom_ops",
 }
 
 __all__ = [

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from estimator.capture.trace import Decoding, RawCapture, RunMarks
-from estimator.categories import Born, Category, Phase
-from estimator.symbolic import ZERO, Poly, fit
+from estimator.vocab.categories import Born, Category, Phase
+from estimator.vocab.symbolic import ZERO, Poly, fit
 
 CATEGORIES = tuple(Category)
 _INDEX = {c: i for i, c in enumerate(CATEGORIES)}
@@ -222,7 +222,7 @@ def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[ob
     then ``after_state`` (``(key, nbytes)`` buffers held across steps, e.g. library
     workspaces), then for each op its outputs, its kernel scratch (the largest candidate,
     allocated and freed inside the op), and the storages dropped after it.  Input for an
-    allocator model (``estimator.target.cuda_allocator.replay``).
+    allocator model (``estimator.devices.cuda_allocator.replay``).
     """
     allocs: dict[int, list[int]] = {}
     frees: dict[int, list[int]] = {}

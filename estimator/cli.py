@@ -193,7 +193,7 @@ BUILTIN_STEP_OPTIONS = [
 def _strategy(opts: Options, model):
     """The ``Strategy`` of the command-line options (``--checkpoint Block``: the module type of
     that name in ``model``)."""
-    from estimator.strategy import Strategy
+    from estimator.vocab.strategy import Strategy
 
     return Strategy(
         accumulate=opts.accumulate, checkpoint=_module_type(opts.checkpoint, model), data_parallel=opts.data_parallel,
@@ -208,7 +208,7 @@ def _options(kwargs) -> Options:
                 "microbatches": None, "schedule": "1f1b", "master_weights": False, "compile_mode": None, "keep_output": None,
                 "generate": None, "cache": None}
     opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     for flag, value in (("--gpu", opts.gpu), ("--alloc-conf", opts.alloc_conf)):
         if value is not None and opts.device != "cuda":
@@ -261,8 +261,8 @@ def _estimate(opts: Options, run=None, **extra):
                                         "keep_output": opts.keep_output, "step": user_step, **extra}
     sample = built.sample
     if opts.generate is not None:  # generate() as it is: no strategy, no loss; the sample is a prompt
-        from estimator.errors import InputError
-        from estimator.step import Generation
+        from estimator.vocab.errors import InputError
+        from estimator.capture.steps import Generation
 
         if not isinstance(sample, dict) or "input_ids" not in sample:
             raise InputError(f"--generate needs a text model whose sample has input_ids; {built.label} has none")
@@ -296,7 +296,7 @@ def _user_function(text: str | None, flag: str, what: str):
     if text is None:
         return None
     from estimator import models
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     try:
         return models.load_function(text, what)
@@ -321,7 +321,7 @@ def _trainer_run(path: str, opts: Options):
     """``report --training-args FILE.json``: ``run`` for ``_estimate`` that estimates Trainer's step
     (``integrations.transformers.from_training_args``); the options the arguments decide are refused,
     ``--dp N`` is the run's world size."""
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     given = [flag for flag, set_ in (("--step", opts.step is not None), ("--optimizer", opts.optimizer is not None),
                                      ("--amp", opts.amp is not None), ("--accumulate", opts.accumulate != 1),
@@ -345,7 +345,7 @@ def _trainer_run(path: str, opts: Options):
 def _no_step(opts: Options, command: str) -> None:
     """``compare`` / ``plan`` weigh strategies that transform the built-in step: not with ``--step``."""
     if opts.step is not None:
-        from estimator.errors import InputError
+        from estimator.vocab.errors import InputError
 
         raise InputError(f"--step: fxmem {command} weighs strategies that transform the built-in step (accumulation, "
                          "AMP, DDP, ZeRO, pipeline), which cannot combine with your own step; estimate your step with "
@@ -367,7 +367,7 @@ def _data_dependent(specs: tuple[str, ...]):
 
 def _dynamic(specs: tuple[str, ...]) -> dict | None:
     """``--seq input_ids:1 --seq labels:1`` -> ``report(dynamic=)``; ``--seq 1`` for a tensor sample."""
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     if not specs:
         return None
@@ -389,7 +389,7 @@ def _dynamic(specs: tuple[str, ...]) -> dict | None:
 def _batch_dims(specs: tuple[str, ...]):
     """``--batch-dim 1`` -> ``report(batch_dims=1)``; ``--batch-dim src:1 --batch-dim 1:0`` ->
     ``{"src": 1, 1: 0}`` (a dict key, or a tuple position)."""
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     if not specs:
         return None
@@ -426,7 +426,7 @@ def _budget(text: str | None) -> int | None:
     """Bytes of ``--budget``, parsed before any capture (a typo fails in no time)."""
     if text is None:
         return None
-    from estimator.units import parse_bytes
+    from estimator.vocab.units import parse_bytes
 
     return parse_bytes(text)
 
@@ -436,7 +436,7 @@ def handle_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from estimator.errors import CaptureError, InputError
+        from estimator.vocab.errors import CaptureError, InputError
 
         try:
             return func(*args, **kwargs)
@@ -522,7 +522,7 @@ def report(budget, as_json, dtype_symbols, training_args, **kwargs):
     else:
         click.echo(str(rep))
         if rep.dtype_formula is not None:
-            from estimator.report.formulas import dtype_markdown
+            from estimator.reporting.formulas import dtype_markdown
 
             click.echo("\n" + "\n".join(dtype_markdown(rep.dtype_formula)))
         if limit is not None:
@@ -551,7 +551,7 @@ def formula(fmt, as_json, dtype_symbols, **kwargs):
     opts = _options(kwargs)
     rep = _estimate(opts, dtype_symbols=dtype_symbols)
     fmt = "json" if as_json else fmt
-    from estimator.report.formulas import widths_text
+    from estimator.reporting.formulas import widths_text
 
     sympy_text = str(rep.peak) if rep.dtype_formula is None else "\n".join(
         [str(rep.peak), *(f"{line.peak}    # {widths_text(line.widths)}" for line in rep.dtype_formula.lines)])
@@ -583,13 +583,13 @@ def fit(budget, as_json, **kwargs):
     """
     opts = _options(kwargs)
     limit = _budget(budget)
-    from estimator.errors import InputError
+    from estimator.vocab.errors import InputError
 
     if limit is None and opts.device != "cuda":
         raise InputError("fxmem fit --device cpu needs --budget (e.g. 64GiB); on the GPU (the default target) the "
                          "budget defaults to the GPU's memory")
     rep = _estimate(opts)
-    from estimator.units import format_bytes
+    from estimator.vocab.units import format_bytes
 
     gpu, given = rep.target.gpu, limit is not None
     if not given:
@@ -711,8 +711,8 @@ def _parse_strategy(spec: str, model):
     """``data_parallel=4,sharding=zero3,checkpoint=Block`` -> ``Strategy``."""
     import dataclasses
 
-    from estimator.errors import InputError
-    from estimator.strategy import Strategy
+    from estimator.vocab.errors import InputError
+    from estimator.vocab.strategy import Strategy
 
     fields = {f.name for f in dataclasses.fields(Strategy)}
     kwargs = {}
@@ -832,7 +832,7 @@ def _import_capture_stack() -> None:
     import torch._dynamo  # noqa: F401
     import torch.export._trace  # noqa: F401
 
-    import estimator.estimate  # noqa: F401
+    import estimator.api  # noqa: F401
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 
 INTEGRATIONS = ("transformers", "timm", "torchvision")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from estimator.categories import Phase
-from estimator.errors import InputError
-from estimator.units import format_bytes, parse_bytes
+from estimator.vocab.categories import Phase
+from estimator.vocab.errors import InputError
+from estimator.vocab.units import format_bytes, parse_bytes
 
 START = "start"  # the part of a step before its first phase mark (data loading, …)
 STEP = "step"  # the name of that part when no phase is marked at all
@@ -266,7 +266,7 @@ def _works(fn) -> bool:
 
 def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Parameters, their gradients, buffers (and plain tensor attributes), optimizer state."""
-    from estimator.step import state_tensors
+    from estimator.capture.steps import state_tensors
 
     tensors: list[torch.Tensor] = []
     if model is not None:
@@ -536,7 +536,7 @@ class MemoryMonitor:
     def plot(self, step: int = -1):
         """A Figure: the measured peak of every step against the prediction and the budget, and,
         with a prediction, step ``step``'s phases over the predicted timeline."""
-        from estimator.report.plot import plot_monitor
+        from estimator.reporting.plot import plot_monitor
 
         return plot_monitor(self, step)
 
@@ -585,7 +585,7 @@ class MemoryMonitor:
             except InputError:
                 self._phase_cache[b] = None
             else:
-                from estimator.report.plot import timeline_in_b
+                from estimator.reporting.plot import timeline_in_b
 
                 peaks: dict[str, int] = {}
                 for op in timeline_in_b(rep).ops:

@@ -2,7 +2,7 @@
 
 Both run ``estimator.report`` for each strategy, but capture each distinct single-device step
 once: DDP, ZeRO 1/2/3 and a pipeline's micro-batches are transformations of the same captured
-step (``estimator.strategy.ranks``); only mixed precision, checkpointing and accumulation
+step (``estimator.ranks.per_rank``); only mixed precision, checkpointing and accumulation
 change what is captured.
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from estimator.errors import InputError
-from estimator.estimate import _capture_formula, _capture_step, _device, _request, _result, _sample_batch
-from estimator.report.result import Report
-from estimator.strategy import Sharding, Strategy, blocks
-from estimator.units import as_int, format_bytes, parse_bytes
+from estimator.vocab.errors import InputError
+from estimator.api import _capture_formula, _capture_step, _device, _request, _result, _sample_batch
+from estimator.reporting.result import Report
+from estimator.vocab.strategy import Sharding, Strategy, blocks
+from estimator.vocab.units import as_int, format_bytes, parse_bytes
 
 BASELINE = "single device"
 
@@ -106,7 +106,7 @@ class Comparison:
                 row += [r.max_batch, r.max_samples_per_step]
             row += [format_bytes(r.communication_bytes) if r.communication_bytes else "-", r.cost]
             rows.append(row)
-        from estimator.report.render import target_text
+        from estimator.reporting.render import target_text
 
         first = self.rows[0].report
         title = (f"fxmem {'plan' if self.ranked else 'compare'}: {first.model}, b = {self.batch}, "
@@ -252,7 +252,7 @@ def plan(
 def _budget(budget, options) -> int | None:
     if budget is not None:
         return parse_bytes(budget)
-    from estimator.target.spec import target_spec
+    from estimator.vocab.target import target_spec
 
     spec, _ = target_spec("cuda", options.get("gpu"), options.get("alloc_conf"))
     return spec.gpu.total_memory

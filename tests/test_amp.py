@@ -2,7 +2,7 @@
 measurement of the same step) and the CUDA target (CUDA's autocast lists emulated while
 capturing, ``estimator/corrections/cuda/autocast.py``).
 
-The step (estimator/step.py)::
+The step (estimator/capture/steps.py)::
 
     with torch.autocast(device_type, dtype): out = model(x); loss = loss_fn(out, x)
     scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import estimator
-from estimator import Category, step
+from estimator import Category
+from estimator.capture import steps as step
 from estimator.account import account
 from estimator.capture.trace import StepSpec, capture
-from estimator.categories import Mode, Target
+from estimator.vocab.categories import Mode, Target
 from estimator.corrections.cuda import autocast
-from estimator.errors import CaptureError, InputError
-from estimator.target.gpus import resolve_gpu
-from estimator.target.spec import TargetSpec
+from estimator.vocab.errors import CaptureError, InputError
+from estimator.vocab.gpus import resolve_gpu
+from estimator.vocab.target import TargetSpec
 from validators.cpu import measure_cpu
 
 CPU = TargetSpec()
@@ -117,7 +118,7 @@ def test_cpu_inference_with_autocast_is_exact(amp):
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_cpu_conv_in_low_precision(amp):
     # fp16 runs THNN _slow_conv2d_forward with an im2col buffer, bf16 oneDNN with other reorders:
-    # both measured on the host (estimator.target.cpu), so exact
+    # both measured on the host (estimator.corrections.cpu.host), so exact
     x = torch.randn(3, 3, 8, 8)
     torch.manual_seed(0)
     rep = estimator.report(Conv(), x, optimizer="sgd", amp=amp, device="cpu")

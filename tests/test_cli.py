@@ -24,7 +24,7 @@ import estimator
 import models_zoo
 from estimator import models
 from estimator.cli import _CAPTURING, cli
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = textwrap.dedent(

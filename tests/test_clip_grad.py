@@ -20,9 +20,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from estimator.account import allocation_events
-from estimator.categories import Category, Mode
+from estimator.vocab.categories import Category, Mode
 from validators.cpu import measure_user_step, threads
 
 CATEGORIES = list(Category)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import estimator
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections import composite, registry
 from session_cache import compare
 from validators.cpu import measure_cpu

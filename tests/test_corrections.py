@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from estimator.account import account
 from estimator.capture.trace import StepSpec, capture
-from estimator.categories import Mode
+from estimator.vocab.categories import Mode
 from estimator.corrections import lookup
 from estimator.corrections.cpu import rnn as rnn_fix
 from validators.cpu import measure_cpu

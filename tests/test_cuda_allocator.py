@@ -1,4 +1,4 @@
-"""Exact numbers from the CUDA caching-allocator model (estimator/target/cuda_allocator.py).
+"""Exact numbers from the CUDA caching-allocator model (estimator/devices/cuda_allocator.py).
 
 Every expected value is derived by hand from c10/cuda/CUDACachingAllocator.cpp; the arithmetic
 is in the comment beside it.  KiB/MiB are powers of two.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from estimator.errors import InputError
-from estimator.target.cuda_allocator import (
+from estimator.vocab.errors import InputError
+from estimator.devices.cuda_allocator import (
     AllocatorConfig,
     AllocatorConfigError,
     AllocatorStats,

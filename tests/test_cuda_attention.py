@@ -22,14 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from estimator import corrections, step
+from estimator import corrections
+from estimator.capture import steps as step
 from estimator.capture.trace import StepSpec, capture
-from estimator.categories import Category, Mode, Target
+from estimator.vocab.categories import Category, Mode, Target
 from estimator.corrections.cuda import attention as att
 from estimator.corrections.cuda.attention import Backend, select_backend
-from estimator.errors import SymbolicCaptureFailed
-from estimator.target.gpus import resolve_gpu
-from estimator.target.spec import TargetSpec
+from estimator.vocab.errors import SymbolicCaptureFailed
+from estimator.vocab.gpus import resolve_gpu
+from estimator.vocab.target import TargetSpec
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 aten = torch.ops.aten

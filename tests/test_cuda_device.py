@@ -3,7 +3,7 @@ caching allocator, on sequences whose expected numbers are derived in tests/test
 
 import pytest
 
-from estimator.target.cuda_allocator import replay
+from estimator.devices.cuda_allocator import replay
 
 MiB = 2**20
 

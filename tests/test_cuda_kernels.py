@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from estimator import corrections, step
+from estimator import corrections
+from estimator.capture import steps as step
 from estimator.capture.trace import StepSpec, capture
-from estimator.categories import Mode, Phase, Target
+from estimator.vocab.categories import Mode, Phase, Target
 from estimator.corrections import NO_FIX, lookup, packed
 from estimator.corrections.cuda import kernels, rnn
-from estimator.target.gpus import resolve_gpu
-from estimator.target.spec import TargetSpec
+from estimator.vocab.gpus import resolve_gpu
+from estimator.vocab.target import TargetSpec
 
 aten = torch.ops.aten
 CPU = TargetSpec()

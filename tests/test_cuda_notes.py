@@ -1,6 +1,6 @@
 """CUDA reports say what is not modelled with its size: the cuDNN convolution workspace bound
-(estimator/corrections/cuda/cudnn.py, from Conv_v8.cpp / Conv_v7.cpp / ConvShared.cpp) and the CUDA
-context's estimate and range (estimator/target/gpus.py ``estimated_notes``)."""
+(estimator/devices/cudnn.py, from Conv_v8.cpp / Conv_v7.cpp / ConvShared.cpp) and the CUDA
+context's estimate and range (estimator/vocab/gpus.py ``estimated_notes``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from torch import nn
 
 import estimator
 import models_zoo
-from estimator import estimate
-from estimator.corrections.cuda import cudnn
-from estimator.corrections.cuda.cudnn import CallKind
-from estimator.strategy import Strategy
-from estimator.target import gpus
+from estimator import api as estimate
+from estimator.devices import cudnn
+from estimator.devices.cudnn import CallKind
+from estimator.vocab.strategy import Strategy
+from estimator.vocab import gpus
 
 A100_80 = 85_100_068_864  # resolve_gpu("A100 80GB").total_memory (deviceQuery, observed)
 CONTEXT = 512 * 2**20  # DEFAULT_CONTEXT_BYTES = 536,870,912

@@ -1,4 +1,4 @@
-"""A run from a cold start through the caching-allocator model (``estimator.target.cuda_run``).
+"""A run from a cold start through the caching-allocator model (``estimator.devices.cuda_run``).
 
 The synthetic timelines' expected figures follow the allocator's rules by hand
 (``c10/cuda/CUDACachingAllocator.cpp``): requests of (1, 10) MiB get a 20 MiB segment, larger
@@ -14,10 +14,10 @@ from torch import nn
 import estimator
 from estimator.account import CATEGORIES, OpMemory, Timeline
 from estimator.capture.trace import RunMarks
-from estimator.categories import Birth, Born, Category, Phase
-from estimator.symbolic import ZERO, Poly
-from estimator.target.cuda_allocator import AllocatorConfig
-from estimator.target.cuda_run import replay_run, replay_step
+from estimator.vocab.categories import Birth, Born, Category, Phase
+from estimator.vocab.symbolic import ZERO, Poly
+from estimator.devices.cuda_allocator import AllocatorConfig
+from estimator.devices.cuda_run import replay_run, replay_step
 
 MiB = 2**20
 _NONE = (ZERO,) * len(CATEGORIES)

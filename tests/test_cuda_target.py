@@ -9,16 +9,16 @@ import torch
 from torch import nn
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from estimator.account import account
 from estimator.capture.trace import StepSpec, capture
-from estimator.categories import Category, Mode, Phase, Target
-from estimator.errors import InputError
-from estimator.target.cuda import Overhead
-from estimator.target.cuda_allocator import OutOfMemory
-from estimator.target.gpus import resolve_gpu
-from estimator.target.spec import DEFAULT_CONTEXT_BYTES, TargetSpec
-from estimator.units import format_bytes
+from estimator.vocab.categories import Category, Mode, Phase, Target
+from estimator.vocab.errors import InputError
+from estimator.devices.cuda import Overhead
+from estimator.devices.cuda_allocator import OutOfMemory
+from estimator.vocab.gpus import resolve_gpu
+from estimator.vocab.target import DEFAULT_CONTEXT_BYTES, TargetSpec
+from estimator.vocab.units import format_bytes
 
 H100, A100 = resolve_gpu("H100"), resolve_gpu("A100 80GB")
 WS_H100 = 32 * 2**20  # CublasHandlePool.cpp: 4096 * 8 * 1024 on sm_90

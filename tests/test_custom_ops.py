@@ -1,4 +1,4 @@
-"""Custom and extension ops: ``estimator.register_op`` declarations (estimator/custom_ops.py)
+"""Custom and extension ops: ``estimator.register_op`` declarations (estimator/corrections/custom_ops.py)
 and the capture's error for an op without a fake kernel.
 
 Every op here lives in the ``fxtest`` namespace, defined once at import; each test's
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 import estimator
-from estimator import custom_ops
-from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
-from estimator.symbolic import B, Poly
+from estimator.corrections import custom_ops
+from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
+from estimator.vocab.symbolic import B, Poly
 from validators.cpu import measure_cpu
 
 

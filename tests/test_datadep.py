@@ -11,7 +11,7 @@ from torch import nn
 
 import estimator
 from estimator.capture import datadep
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 from validators.cpu import measure_cpu
 
 D = 64
@@ -49,7 +49,7 @@ def test_boolean_mask_upper_bound_is_every_element():
     # x: 16·64·4 = 4096 B per row, the mask 16 B per row (alive: 4112·b).  x[mask] with n = 16·b
     # (the bound): the nonzero indices (16·b, 2) int64 = 256·b B alive with the output 16·b·64·4 =
     # 4096·b (8464·b); then the product 4096·b while the output lives: peak 4112·b + 2·4096·b.
-    assert rep.peak == 12304 * estimator.symbolic.B + 12  # + the wrapped 2 (8 B) and its fp32 copy (4 B)
+    assert rep.peak == 12304 * estimator.vocab.symbolic.B + 12  # + the wrapped 2 (8 B) and its fp32 copy (4 B)
     (note,) = [n for n in rep.notes if "data-dependent" in n]
     assert ":nonzero#0" in note and "0 ≤ n ≤ 16*b" in note and "used n = 16*b" in note
 
@@ -59,7 +59,7 @@ def test_fraction_rounds_each_coefficient_up():
     full = estimator.report(Gather(), (x, mask), mode="inference", device="cpu")
     half = estimator.report(Gather(), (x, mask), mode="inference", data_dependent=0.3, device="cpu")
     # n = ceil(0.3 · 16)·b = 5·b instead of 16·b: 11·b rows less of the output and the product (2 · 256 B)
-    assert sympy.expand(full.peak - half.peak) == 11 * 2 * 256 * estimator.symbolic.B
+    assert sympy.expand(full.peak - half.peak) == 11 * 2 * 256 * estimator.vocab.symbolic.B
 
 
 def test_sample_policy_matches_the_measurement():
@@ -238,7 +238,7 @@ def test_concrete_fallback_with_accumulation():
 def test_report_lists_the_sizes_it_used():
     x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
     (site,) = estimator.report(Gather(), (x, mask), mode="inference", device="cpu").data_dependent
-    b = estimator.symbolic.B
+    b = estimator.vocab.symbolic.B
     assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, datadep.Source.BOUND)
 
 

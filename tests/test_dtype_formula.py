@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_map
 import estimator
 import models_zoo
 from estimator import Strategy
-from estimator.categories import Category
+from estimator.vocab.categories import Category
 from estimator.cli import cli
-from estimator.errors import InputError
-from estimator.symbolic import nondominated
+from estimator.vocab.errors import InputError
+from estimator.vocab.symbolic import nondominated
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BATCH = 8

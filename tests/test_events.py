@@ -30,7 +30,7 @@ def test_events_replay_to_the_peak(name, mode):
 
 def test_events_through_the_cuda_allocator_model():
     # Rounding to 512 B blocks and unsplit tails only add bytes; segments hold the blocks.
-    from estimator.target.cuda_allocator import replay
+    from estimator.devices.cuda_allocator import replay
 
     rep = zoo_report("gpt", "train", 8)
     stats = replay(allocation_events(rep.timeline, 8))

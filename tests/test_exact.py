@@ -1,6 +1,6 @@
 """Exact bytes on tiny models, derived by hand from the op sequence of the step.
 
-Notation: ``b`` is the batch size; fp32 is 4 bytes.  The step is (estimator/step.py)
+Notation: ``b`` is the batch size; fp32 is 4 bytes.  The step is (estimator/capture/steps.py)
 
     out = model(x); loss = loss_fn(out, x); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 

@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import estimator
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections import fastpath, registry
-from estimator.errors import CaptureError
+from estimator.vocab.errors import CaptureError
 from session_cache import compare
 from validators.cpu import measure_cpu
 

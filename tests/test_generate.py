@@ -15,9 +15,10 @@ import torch
 from click.testing import CliRunner
 
 import estimator
-from estimator import Category, step
+from estimator import Category
+from estimator.capture import steps as step
 from estimator.cli import cli
-from estimator.errors import CaptureError, InputError
+from estimator.vocab.errors import CaptureError, InputError
 
 pytest.importorskip("transformers")
 from validators import generate as gen  # noqa: E402 (needs transformers)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from estimator.errors import InputError
-from estimator.target.gpus import (
+from estimator.vocab.errors import InputError
+from estimator.vocab.gpus import (
     GPUS,
     GpuSpec,
     cublas_workspace_bytes,

@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from estimator.capture.graph import GraphRecorder, map_exprs
 from estimator.capture.tracker import _leaves
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 
 def test_graph_arguments_as_tree_map_gives_them():

@@ -1,4 +1,4 @@
-"""CPU kernels measured on the host (estimator/target/cpu.py): the event arithmetic on exact
+"""CPU kernels measured on the host (estimator/corrections/cpu/host.py): the event arithmetic on exact
 numbers, the cache, and whole steps against the CPU allocator's measurement of the same step,
 on this host's ISA and on AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the
 AVX2 code paths on an AVX-512 or AMX machine)."""
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 import estimator
-from estimator.target import cpu
+from estimator.corrections.cpu import host as cpu
 from validators.cpu import measure_cpu
 
 m = sympy.Symbol("m")

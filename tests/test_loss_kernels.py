@@ -24,10 +24,10 @@ from torch.profiler import ProfilerActivity, profile
 import estimator
 from estimator.capture.trace import StepSpec, capture
 from estimator.account import account
-from estimator.categories import Mode
+from estimator.vocab.categories import Mode
 from estimator.corrections import lookup
 from estimator.corrections.cpu import loss as loss_fix
-from estimator.symbolic import Poly
+from estimator.vocab.symbolic import Poly
 from models_zoo import steps
 from validators.cpu import measure_cpu, measure_user_step, threads
 

@@ -32,7 +32,7 @@ def rep():
 
 
 def train(model, opt, mon=None, steps=3, marks=True):
-    """The step estimator.step runs, written as a user's loop."""
+    """The step estimator.capture.steps runs, written as a user's loop."""
     for _ in range(steps):
         x = torch.randn(B, 64)
         if mon and marks:

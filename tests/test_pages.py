@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import models_zoo
-from estimator.target import cpu
+from estimator.corrections.cpu import host as cpu
 from validators import pages
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models"

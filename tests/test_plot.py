@@ -1,4 +1,4 @@
-"""Plots of a Report (estimator.report.plot): what is drawn, in which units, where the marks are."""
+"""Plots of a Report (estimator.reporting.plot): what is drawn, in which units, where the marks are."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import estimator
 from estimator import Category, InputError, format_bytes
-from estimator.report import plot
+from estimator.reporting import plot
 
 pytest.importorskip("matplotlib")
 

@@ -16,7 +16,7 @@ import torch
 import estimator
 from estimator import InputError
 from estimator.integrations import _common
-from estimator.target.gpus import resolve_gpu
+from estimator.vocab.gpus import resolve_gpu
 from validators import published
 from validators.published_data import GB, ROWS, GiB, MiB, Quantity
 

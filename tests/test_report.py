@@ -67,7 +67,7 @@ def test_to_dict_of_a_zoo_model_is_json():
 
 def test_graph_is_aten(linear_report):
     # The brief specified an fx.GraphModule; commit 9316638 ("own recorder instead of make_fx")
-    # made Report.graph an fx.Graph (estimator/report/result.py).  Both expose .nodes.
+    # made Report.graph an fx.Graph (estimator/reporting/result.py).  Both expose .nodes.
     graph = linear_report.graph
     assert isinstance(graph, (fx.Graph, fx.GraphModule))
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
@@ -178,7 +178,7 @@ def test_every_batch_up_to_max_batch_fits():
     """Reserved memory is not monotonic in b: the 8 sizes below the bisection's answer are replayed
     too.  The device takes 10·m + 5, but 110 at m = 7 (a segment rounded up): with a limit of 100,
     m = 8 fits (85) but 7 does not, so the answer is 6, whose 8 sizes below are checked again."""
-    from estimator.report.result import every_smaller_fits
+    from estimator.reporting.result import every_smaller_fits
 
     checked = []
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import estimator
 import models_zoo
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 
 
 @pytest.fixture(scope="module")

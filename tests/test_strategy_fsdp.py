@@ -1,4 +1,4 @@
-"""FSDP2 ``fully_shard`` per rank (``estimator.strategy.fsdp``): exact arithmetic of the
+"""FSDP2 ``fully_shard`` per rank (``estimator.ranks.fsdp``): exact arithmetic of the
 sharded state and the collectives' buffers, and the predicted peaks against real gloo jobs.
 """
 
@@ -13,10 +13,10 @@ from torch import nn
 
 import estimator
 from estimator.account import CATEGORIES
-from estimator.categories import Category
-from estimator.errors import InputError
-from estimator.strategy import Strategy
-from estimator.strategy.fsdp import shard_sizes
+from estimator.vocab.categories import Category
+from estimator.vocab.errors import InputError
+from estimator.vocab.strategy import Strategy
+from estimator.ranks.fsdp import shard_sizes
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 F32 = 4

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (``estimator.strategy.pipeline``): each stage's step from the captured
+"""Pipeline parallelism (``estimator.ranks.pipeline``): each stage's step from the captured
 micro-batch step, against the arithmetic and against real ``torch.distributed.pipelining``
 jobs (gloo, local CPU processes).
 
@@ -16,10 +16,10 @@ import pytest
 
 import estimator
 from estimator.account import CATEGORIES
-from estimator.categories import Category
-from estimator.errors import InputError
-from estimator.strategy import Strategy
-from estimator.strategy.pipeline import in_flight, order
+from estimator.vocab.categories import Category
+from estimator.vocab.errors import InputError
+from estimator.vocab.strategy import Strategy
+from estimator.ranks.pipeline import in_flight, order
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 F32 = 4

@@ -1,5 +1,5 @@
 """Single-process strategies: gradient accumulation and activation checkpointing, exact against
-the CPU allocator (``validators.cpu.measure_cpu`` runs the same ``estimator.step`` code).
+the CPU allocator (``validators.cpu.measure_cpu`` runs the same ``estimator.capture.steps`` code).
 
 Gradient accumulation over ``k`` micro-batches (``Strategy(accumulate=k)``), ``b`` the batch of
 one optimizer step, ``m = b / k`` the micro-batch::
@@ -33,7 +33,8 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator import Category, InputError
-from estimator.strategy import Strategy, checkpointing
+from estimator.vocab.strategy import Strategy
+from estimator.capture.checkpointing import checkpointing
 from models_zoo.gpt import Block
 from validators.cpu import measure_cpu
 
@@ -188,7 +189,7 @@ def test_checkpoint_unknown_module():
 def test_strategy_needs_training():
     with pytest.raises(InputError, match="mode='train' only"):
         estimator.report(linear(), torch.randn(8, 16), mode="inference", strategy=Strategy(accumulate=2), device="cpu")
-    with pytest.raises(InputError, match="estimator.strategy.Strategy"):
+    with pytest.raises(InputError, match="estimator.vocab.strategy.Strategy"):
         estimator.report(linear(), torch.randn(8, 16), strategy={"accumulate": 2}, device="cpu")
 
 

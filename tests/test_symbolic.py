@@ -279,8 +279,8 @@ def test_fitted_scratch_with_another_number_of_buffers_at_another_size():
     implementation) is fitted by its in-op peak, the largest buffer at each size:
     (2, 100) (3, 150) (8, 400) -> 50*b; same counts fit per candidate."""
     from estimator.account import CATEGORIES, OpMemory, Timeline, fit_timelines
-    from estimator.categories import Phase
-    from estimator.symbolic import ZERO, Poly
+    from estimator.vocab.categories import Phase
+    from estimator.vocab.symbolic import ZERO, Poly
 
     none = (ZERO,) * len(CATEGORIES)
 

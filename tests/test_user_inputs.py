@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from torch import nn
 
 import estimator
-from estimator import CaptureError, InputError, step
-from estimator.categories import Category
+from estimator import CaptureError, InputError
+from estimator.capture import steps as step
+from estimator.vocab.categories import Category
 from estimator.cli import _batch_dims, cli
-from estimator.units import parse_bytes
+from estimator.vocab.units import parse_bytes
 from validators.cpu import measure_cpu
 
 # A module-level constant used in forward: created at import, never faked by the copy.

@@ -18,8 +18,8 @@ from torch import nn
 
 import estimator
 from estimator import Strategy
-from estimator.categories import Category
-from estimator.errors import InputError
+from estimator.vocab.categories import Category
+from estimator.vocab.errors import InputError
 from models_zoo import steps
 from models_zoo.steps import (amp_state, amp_step, data, ema_state, ema_step, frozen_net, fused_state, fused_step, gan,
                               gan_data, gan_state, gan_step, loss_only, manual_ema_state, manual_ema_step, net, tta,
@@ -236,7 +236,7 @@ def broken_step(model, sample, opt):
 
 
 def test_a_failing_step_names_its_line():
-    with pytest.raises(estimator.errors.CaptureError, match="broken_step"):
+    with pytest.raises(estimator.vocab.errors.CaptureError, match="broken_step"):
         estimator.report(net(), data(), step=broken_step, device="cpu")
 
 

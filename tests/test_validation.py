@@ -7,9 +7,9 @@ fp32 and bf16 (validators.zoo.cases), in train and inference, on the host that r
 Batch sizes (suite time): b = 2 and 32 in fp32, b = 32 in bf16.  The branches the batch size
 decides are all taken by these two: host kernels of a symbolic capture are measured at b = 2, 3
 and 4 for b = 2, at b = 2, 3, b (and b + 1 for a kernel that changes regime) for any b > 4
-(estimator/target/cpu.py ``price``, ``_regimes``); a CPU convolution's backend choice reads
+(estimator/corrections/cpu/host.py ``price``, ``_regimes``); a CPU convolution's backend choice reads
 b >= 16 (estimator/corrections/cpu/conv.py); the concrete fallback captures b, b + 1 and 4b for
-any b (estimator/capture/path.py ``_concrete``).  b = 8 adds no branch: its kernels are measured
+any b (estimator/orchestrate/path.py ``_concrete``).  b = 8 adds no branch: its kernels are measured
 as b = 32's are and, below 16 like b = 2's, fit one line.
 ``python -m validators`` runs the full matrix: b = 2, 8, 32 for every case.
 """

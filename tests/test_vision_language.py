@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from validators.cpu import measure_cpu, measure_user_step
 
 transformers = pytest.importorskip("transformers")

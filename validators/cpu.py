@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from estimator import step
-from estimator.categories import Mode
-from estimator.strategy import checkpointing
+from estimator.capture import steps as step
+from estimator.vocab.categories import Mode
+from estimator.capture.checkpointing import checkpointing
 from validators import steady
 from validators.steady import skipped, warm_up
 
@@ -81,11 +81,11 @@ def measure_cpu(
 ) -> Measurement:
     """Run one warm-up step and one measured step of ``model`` on real CPU tensors.
 
-    The step is ``estimator.step.run``: the same code the estimator runs on fake tensors, with
+    The step is ``estimator.capture.steps.run``: the same code the estimator runs on fake tensors, with
     the same precision (``amp``, ``grad_scaler`` as in ``estimator.report``).  A measured step
     whose ``GradScaler`` found inf/nan gradients (and skipped ``optimizer.step()``) raises: the
     estimator predicts the step with finite gradients.  ``strategy``: an
-    ``estimator.strategy.Strategy`` (gradient accumulation, activation checkpointing, autocast,
+    ``estimator.vocab.strategy.Strategy`` (gradient accumulation, activation checkpointing, autocast,
     fp32 master weights).  ``before(model, mode)`` runs after the warm-up, just before the measured
     step (``validators.zoo`` reads the data-dependent sizes of the measured step there).
     ``keep_output``: as in ``estimator.report``.

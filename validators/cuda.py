@@ -5,7 +5,7 @@ Two protocols, both read what users compare with (``max_memory_allocated``,
 
 - one steady step (``measure_cuda``, ``measure_cuda_user_step``; ``CudaMemory.step_allocated``
   / ``step_reserved``): the same step as the estimator and the CPU measurement
-  (``estimator.step.run``, or a user's own step), one warm-up step (optimizer state, cuBLAS
+  (``estimator.capture.steps.run``, or a user's own step), one warm-up step (optimizer state, cuBLAS
   handle and workspace), ``empty_cache()``, ``reset_peak_memory_stats()``, then one measured
   step;
 - a run from a cold start (``measure_run``, ``measure_user_step_run``; ``CudaMemory.allocated``
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from estimator import step
-from estimator.categories import Mode
-from estimator.target.cuda_run import MAX_STEPS
+from estimator.capture import steps as step
+from estimator.vocab.categories import Mode
+from estimator.devices.cuda_run import MAX_STEPS
 from validators import steady
 from validators.steady import warm_up
 
@@ -292,7 +292,7 @@ def _measured(device: torch.device, before: int) -> CudaMeasurement:
 def replay_on_device(events, device: str | torch.device = "cuda") -> tuple[int, int]:
     """Run an allocation sequence (``("alloc", key, nbytes)`` / ``("free", key, 0)``) through the
     real caching allocator from a clean state; returns (max allocated, max reserved) — the
-    ground truth for ``estimator.target.cuda_allocator.replay``."""
+    ground truth for ``estimator.devices.cuda_allocator.replay``."""
     device = torch.device(device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ carries it (``total_allocated``).  ``profiled_peak_delta`` is the ``validators.c
 
 Bytes alive at the start: the allocator's total then, i.e. everything the rank allocated
 since the flag was set (before ``build()``) and still holds.  ``state_bytes`` splits off the
-storages of ``estimator.step.state_tensors`` (parameters, buffers, optimizer state, inputs;
+storages of ``estimator.capture.steps.state_tensors`` (parameters, buffers, optimizer state, inputs;
 DTensors as their local shard); ``wrapper_bytes`` is the rest: DDP's gradient buckets,
 pipeline receive buffers, ...
 
@@ -64,8 +64,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator import step
-from estimator.categories import Mode
+from estimator.capture import steps as step
+from estimator.vocab.categories import Mode
 from validators import cpu
 
 _PRELOAD = (
@@ -129,7 +129,7 @@ def measure_ranks(
 
     ``build`` (picklable: a module-level function or a ``functools.partial`` of one) returns
     ``(model, sample_fn, loss_fn)``: ``sample_fn(batch)`` the same sample on every call,
-    ``loss_fn(output, sample)`` (None: ``estimator.step.default_loss``).  ``batch`` is the
+    ``loss_fn(output, sample)`` (None: ``estimator.capture.steps.default_loss``).  ``batch`` is the
     global batch.  ``warmup`` unmeasured steps come first (two: DDP rebuilds its buckets in
     the second iteration's forward).  Each rank uses ``threads`` intra-op threads."""
     if strategy not in STRATEGIES:
@@ -450,7 +450,7 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     microbatches = options.pop("microbatches", world)
     starts = _split(model, world, options.pop("split_points", None))
     # checkpoint: a module type whose instances run under torch.utils.checkpoint (non-reentrant),
-    # as estimator.strategy.Strategy(checkpoint=) does
+    # as estimator.vocab.strategy.Strategy(checkpoint=) does
     checkpoint = options.pop("checkpoint", None)
     if options:
         raise ValueError(f"{strategy}: unknown options {sorted(options)}")
@@ -477,8 +477,8 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     opt, _ = step.prepare(submod, Mode.TRAIN, factory)
 
     if checkpoint is not None:
-        from estimator.strategy import Strategy
-        from estimator.strategy.spec import checkpointing
+        from estimator.vocab.strategy import Strategy
+        from estimator.capture.checkpointing import checkpointing
 
         recompute = Strategy(checkpoint=checkpoint)
     else:

@@ -5,7 +5,7 @@ Each row: ``estimator.report(model, sample, mode="generate", new_tokens=n,
 cache_implementation=...)`` once per model, cache and (prompt length s, new tokens n), evaluated
 at each batch size b with ``Report.at(b)``, against ``validators.cpu.measure_user_step`` running
 ``model.generate(**sample, max_new_tokens=n, min_new_tokens=n, do_sample=False)`` (the same
-``estimator.step.Generation``) on a fresh model of the same config: one unmeasured call, then the
+``estimator.capture.steps.Generation``) on a fresh model of the same config: one unmeasured call, then the
 measured one, as the estimate's steady state.  The models are tiny transformers configs built
 from code (random weights): GPT-2 (multi-head attention), Llama (grouped-query attention: 4
 query heads, 2 key/value heads) and Mixtral (a mixture of experts, 4 experts, top-2 routing).
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from estimator.integrations._common import import_optional
 from validators.cpu import measure_user_step
 from validators.strategies import kept_section, write_section

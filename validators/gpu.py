@@ -270,7 +270,7 @@ def _at_batches(capture: Callable[[int], Any], batches: tuple[int, ...]) -> Iter
 
 
 def _prediction(model: str, size: str, mode: str, dtype: str, batch: int, memory, seconds: float) -> Prediction:
-    """A case's prediction from its ``estimator.target.cuda.CudaMemory``."""
+    """A case's prediction from its ``estimator.devices.cuda.CudaMemory``."""
     return Prediction(model, size, mode, dtype, batch, memory.allocated, memory.reserved, memory.device,
                       memory.step_allocated, memory.step_reserved, memory.steps, memory.repeated, seconds)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import estimator
-from estimator import step
+from estimator.capture import steps as step
 from validators.cpu import measure_cpu, measure_user_step
 from validators.steps import Row
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import estimator
 import models_zoo
-from estimator.units import format_bytes, parse_bytes
+from estimator.vocab.units import format_bytes, parse_bytes
 from validators.cpu import threads
 
 OUT = Path("docs/models")
@@ -290,7 +290,7 @@ def select_sizes(name: str, wanted: Iterable[str] | None) -> list[str]:
 
 
 def write_plots(name: str, size: str, rep, out: Path) -> None:
-    from estimator.report.plot import plot_peak_vs_batch, plot_timeline
+    from estimator.reporting.plot import plot_peak_vs_batch, plot_timeline
 
     timeline_png, peak_png = png_names(name, size)
     meta = {"Software": None}

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from estimator import step
-from estimator.categories import Mode
+from estimator.capture import steps as step
+from estimator.vocab.categories import Mode
 
 # GradScaler: warm-up steps allowed to find inf/nan gradients (each halves the scale) before
 # one is taken; the steady state has the optimizer state a taken step creates.
@@ -23,7 +23,7 @@ def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, lo
 
     With a ``GradScaler``, a warm-up step whose gradients overflowed is skipped by the scaler
     (no optimizer state yet): the warm-up repeats until a step is taken.  ``strategy``
-    (``estimator.strategy.Strategy``): the step's accumulation and checkpointing."""
+    (``estimator.vocab.strategy.Strategy``): the step's accumulation and checkpointing."""
     mode = Mode(mode)
     strategy = strategy or step.DEFAULT
     opt, scaler = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None, precision)

@@ -17,8 +17,8 @@ from pathlib import Path
 import estimator
 import models_zoo
 from estimator import Strategy
-from estimator.report.render import ranks_text
-from estimator.units import format_bytes
+from estimator.reporting.render import ranks_text
+from estimator.vocab.units import format_bytes
 
 MODEL, SIZE, BATCH = "gpt", "gpt2-small", 8
 

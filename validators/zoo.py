@@ -10,10 +10,10 @@ import torch
 
 import estimator
 import models_zoo
-from estimator import step
+from estimator.capture import steps as step
 from estimator.capture import datadep
-from estimator.categories import Mode
-from estimator.target import cpu
+from estimator.vocab.categories import Mode
+from estimator.corrections.cpu import host as cpu
 from validators.cpu import measure_cpu
 
 MODES = ("train", "inference")
@@ -128,7 +128,7 @@ def to_markdown(rows: list[Row], command: str) -> str:
         f"`{CONV_MODEL}` (one convolution family each) in fp32 and bf16."),
         "",
         (f"Host: {cpu.host_text()}. Convolutions, batch norms, CPU flash attention, bf16 matmuls and reductions "
-         "are measured on the host that runs the estimate (`estimator/target/cpu.py`), so these "
+         "are measured on the host that runs the estimate (`estimator/corrections/cpu/host.py`), so these "
          "figures hold for any host that reruns them; the table is this host's."),
         "",
         ("Models with data-dependent sizes (boolean masks, MoE routing, nested tensors: "

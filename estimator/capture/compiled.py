@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.errors import InputError
-from estimator.strategy.spec import COMPILE_MODES
+from estimator.vocab.errors import InputError
+from estimator.vocab.strategy import COMPILE_MODES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,9 @@ from torch.utils._pytree import tree_flatten
 
 from estimator.capture import compiled, watchdog
 from estimator.capture.shadows import Shadows
-from estimator.errors import CaptureError, InputError
-from estimator.symbolic import as_expr
+from estimator.corrections.data_sizes import ACTIVE, OBSERVERS  # the seam corrections read
+from estimator.vocab.errors import CaptureError, InputError
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 
@@ -194,7 +195,6 @@ def _short(func) -> str:
 
 
 # -- the capture's mode -------------------------------------------------------------------
-_ACTIVE: list[DataDependent] = []
 _PROBES: list[Probe] = []
 
 
@@ -229,7 +229,7 @@ class DataDependent(TorchDispatchMode):
         self._sites.restart()
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        ACTIVE.append(self)
         self._hooks = self._sites.hooks()
         self._hooks.__enter__()
         return super().__enter__()
@@ -239,7 +239,7 @@ class DataDependent(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._hooks.__exit__(*exc)
-            _ACTIVE.remove(self)
+            ACTIVE.remove(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -346,20 +346,8 @@ class DataDependent(TorchDispatchMode):
         raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
 
 
-def active() -> DataDependent | None:
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
 def probing() -> Probe | None:
     return _PROBES[-1] if _PROBES else None
-
-
-def count(op: str, upper, mask: torch.Tensor | None = None):
-    """The size of a data-dependent call priced outside this module (a native fast path over
-    nested tensors): ``upper`` the safe bound; the capture's policy decides.  Outside a
-    capture: ``upper``."""
-    mode = active()
-    return upper if mode is None else mode.size(op, upper, mask)
 
 
 class _PerStorage:
@@ -582,23 +570,6 @@ _HANDLERS[aten.scatter_.value] = _scatter_ones
 
 
 # -- the probe: a real forward on the user's sample ------------------------------------------
-_OBSERVERS: dict[Any, Callable] = {}
-
-
-def observes(*ops):
-    """Register ``fn(args, kwargs, out) -> (n, upper)``: how the probe reads a data-dependent
-    size from a real call of ``op`` that ``count`` prices elsewhere."""
-
-    def register(fn):
-        for op in ops:
-            if op in _OBSERVERS:
-                raise ValueError(f"a second observer for {op}")
-            _OBSERVERS[op] = fn
-        return fn
-
-    return register
-
-
 class Probe(TorchDispatchMode):
     """Records, on real tensors, the sizes of the calls ``DataDependent`` answers and the values
     of ``.item()`` and ``.numpy()`` (``host``), by the same sites."""
@@ -646,8 +617,8 @@ class Probe(TorchDispatchMode):
             targets = args[1]
             upper = targets.shape[1] if targets.dim() == 2 else targets.shape[0]
             self.sizes[self._sites.key("ctc_max_target_length")] = (int(args[3].max()), int(upper))
-        elif func in _OBSERVERS:
-            self.sizes[self._sites.key(_short(func))] = _OBSERVERS[func](args, kwargs, out)
+        elif func in OBSERVERS:
+            self.sizes[self._sites.key(_short(func))] = OBSERVERS[func](args, kwargs, out)
         return out
 
     def _mask(self, mask: torch.Tensor, n: int) -> None:

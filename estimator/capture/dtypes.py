@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from estimator.errors import CaptureError, InputError
+from estimator.vocab.errors import CaptureError, InputError
 
 # The float dtypes a dtype formula is captured at, with their element width in bytes.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -38,10 +38,10 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicC
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from estimator import step
-from estimator.categories import Category
+from estimator.capture import steps as step
+from estimator.vocab.categories import Category
 from estimator.capture import compiled, watchdog
-from estimator.errors import CaptureError, InputError
+from estimator.vocab.errors import CaptureError, InputError
 
 CPU = torch.device("cpu")
 aten = torch.ops.aten

@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 
 def _metadata(t: torch.Tensor) -> TensorMetadata:

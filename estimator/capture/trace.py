@@ -2,7 +2,7 @@
 
 ``capture(..., symbolic=True)`` makes dim 0 of the sample one symbol and records bytes as
 polynomials in ``b``; ``symbolic=False`` runs at one concrete batch size (the fallback path
-runs it at several sizes and fits, see ``estimator.estimate``).
+runs it at several sizes and fits, see ``estimator.api``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from estimator import corrections, custom_ops, step
+from estimator import corrections
+from estimator.corrections import custom_ops
+from estimator.capture import steps as step
 from estimator.capture import compiled, datadep, generation, tracing
 from estimator.capture.fake import (SIZE_MAX, RealTensors, deep_copies_in_mode, fake_model, fake_sample, held_note,
                                     has_row_lists, isolated, sample_rows, with_rows)
@@ -37,13 +39,14 @@ from estimator.capture.graph import map_exprs
 from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import OpEvent, Storage, Tracker, as_expr
 from estimator.capture.watchdog import Watchdog
-from estimator.categories import Birth, Born, Category, Mode, Phase
+from estimator.vocab.categories import Birth, Born, Category, Mode, Phase
 from estimator.corrections.cuda import autocast as cuda_autocast
-from estimator.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
-from estimator.strategy import DEFAULT, Strategy, checkpointing
-from estimator.symbolic import B, NotPolynomial, Poly, S
-from estimator.target import cpu as cpu_target
-from estimator.target.spec import TargetSpec
+from estimator.vocab.errors import CaptureError, FxmemError, InputError, SequenceNotSymbolic, SymbolicCaptureFailed
+from estimator.capture.checkpointing import checkpointing
+from estimator.vocab.strategy import DEFAULT, Strategy
+from estimator.vocab.symbolic import B, NotPolynomial, Poly, S
+from estimator.corrections.cpu import host as cpu_target
+from estimator.vocab.target import TargetSpec
 
 
 @dataclass(frozen=True)
@@ -378,7 +381,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
 
 def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set, micro: int) -> tuple[str, ...]:
     """Measure the calls the corrections mark ``@measured`` on this host (CPU target,
-    ``estimator.target.cpu``), in the capture's batch symbol (the micro-batch with
+    ``estimator.corrections.cpu.host``), in the capture's batch symbol (the micro-batch with
     accumulation)."""
     calls = [op.kernel for op in tracker.ops if op.kernel is not None]
     if not calls:

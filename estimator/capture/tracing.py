@@ -28,10 +28,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from estimator.capture import datadep
+from estimator.corrections.data_sizes import active
 
 
 def _known(t) -> bool:
-    mode = datadep.active()
+    mode = active()
     return isinstance(t, torch.Tensor) and mode is not None and mode.shadows.get(t) is not None
 
 
@@ -61,7 +62,7 @@ def _numpy(self, *, force: bool = False):
     where they follow the sample alone, else from the probe's real run (``datadep``), which
     records a real tensor's values by site."""
     if isinstance(self, FakeTensor):
-        mode = datadep.active()
+        mode = active()
         values = mode.host(self) if mode is not None else None
         if not isinstance(values, torch.Tensor):
             return values.copy() if values is not None else _TENSOR_NUMPY(self, force=force)

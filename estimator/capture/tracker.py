@@ -21,10 +21,10 @@ from estimator import corrections
 from estimator.capture import compiled
 from estimator.capture.grad_sums import GradSums
 from estimator.capture.graph import GraphRecorder
-from estimator.categories import Born, Category, Phase
-from estimator.symbolic import as_expr
-from estimator.target.cpu import KernelCall
-from estimator.target.spec import TargetSpec
+from estimator.vocab.categories import Born, Category, Phase
+from estimator.vocab.symbolic import as_expr
+from estimator.corrections.cpu.host import KernelCall
+from estimator.vocab.target import TargetSpec
 
 # Ops that bookkeep rather than compute: never an allocation.
 _SKIP = {

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from estimator.errors import CaptureError, InputError
+from estimator.vocab.errors import CaptureError, InputError
 
 _DEFAULT_SECONDS = 300.0
 _POLL = 0.5  # seconds between two looks at the beats

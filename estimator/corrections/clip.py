@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from torch.nn.utils import clip_grad
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import foreach_support
 
 # clip_grad_norm_ and clip_grad_norm call these two; get_total_norm / clip_grads_with_norm_

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, correction
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 

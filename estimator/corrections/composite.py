@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import fake_kernel, substitute
 

@@ -73,11 +73,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from estimator.capture import datadep
-from estimator.categories import Target
+from estimator.corrections import data_sizes
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import bind, fake_kernel, fast_path, parallel_on_cpu, substitute
-from estimator.errors import CaptureError
-from estimator.symbolic import as_expr
+from estimator.vocab.errors import CaptureError
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 _BOTH = (Target.CPU, Target.CUDA)
@@ -681,7 +681,7 @@ def left_aligned(spec, func, args, kwargs):
     keeps the fast path, the probe reads the sample's)."""
     mask = args[1] if len(args) > 1 else kwargs["mask"]
     tmp_pad, nums, sums = _mask_prefix(mask)
-    aligned = datadep.count("_nested_tensor_from_mask_left_aligned", 1)
+    aligned = data_sizes.count("_nested_tensor_from_mask_left_aligned", 1)
     del tmp_pad, nums, sums
     return bool(aligned)
 
@@ -700,22 +700,22 @@ def nested_from_mask(spec, func, args, kwargs):
     d = torch.full_like(lengths, width)
     sizes = torch.cat([lengths, d], 1)
     del sums, lengths
-    tokens = datadep.count("_nested_tensor_from_mask", mask.numel())
-    longest = datadep.count("to_padded_tensor", length)
+    tokens = data_sizes.count("_nested_tensor_from_mask", mask.numel())
+    longest = data_sizes.count("to_padded_tensor", length)
     host = sizes if not spec.is_cuda else None
     nested = _nested_from_padded(spec, t, host, False, rows, longest, tokens)
     del tmp_pad, nums, d, sizes
     return nested
 
 
-@datadep.observes(aten._nested_tensor_from_mask.default)
+@data_sizes.observes(aten._nested_tensor_from_mask.default)
 def _observe_tokens(args, kwargs, out):
     """The real tokens of the nested tensor (the sum of its rows' lengths) of ``b·s``."""
     t = args[0]
     return int(out._nested_tensor_size()[:, 0].sum()), int(t.shape[0] * t.shape[1])
 
 
-@datadep.observes(aten.to_padded_tensor.default)
+@data_sizes.observes(aten.to_padded_tensor.default)
 def _observe_longest(args, kwargs, out):
     """The longest row of the nested tensor ``to_padded_tensor`` pads (of the output's dim 1)."""
     nt = args[0]
@@ -726,6 +726,6 @@ def _observe_longest(args, kwargs, out):
     return longest, int(out.shape[1])
 
 
-@datadep.observes(aten._nested_tensor_from_mask_left_aligned.default)
+@data_sizes.observes(aten._nested_tensor_from_mask_left_aligned.default)
 def _observe_left_aligned(args, kwargs, out):
     return int(bool(out)), 1

@@ -11,10 +11,10 @@ from __future__ import annotations
 import sympy
 import torch
 
-from estimator.capture import datadep
-from estimator.categories import Target
+from estimator.corrections import data_sizes
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, correction, is_contiguous, nbytes, numel, parallel_on_cpu
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 _LONG = 8  # bytes of an int64 index
@@ -25,7 +25,7 @@ def _is_mask(t) -> bool:
 
 
 def _nnz(mask: torch.Tensor):
-    mode = datadep.active()
+    mode = data_sizes.active()
     return as_expr(mask.numel()) if mode is None else as_expr(mode.nnz(mask))
 
 

@@ -31,21 +31,23 @@ The ops follow the lengths, not a formula in ``b``: a capture with a symbolic ba
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from estimator.capture import datadep
-from estimator.categories import Target
+from estimator.corrections import data_sizes
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import substitute
-from estimator.errors import CaptureError, InputError, SymbolicCaptureFailed
+from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
 
 aten = torch.ops.aten
 _BOTH = (Target.CPU, Target.CUDA)
 RNNS = (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu)
 
 
-def _mode() -> datadep.DataDependent:
-    mode = datadep.active()
+def _mode() -> Any:
+    mode = data_sizes.active()
     if mode is None:
         raise CaptureError("a packed sequence outside the capture's data-dependent mode")
     return mode

@@ -41,7 +41,7 @@ possibly symbolic) and returns a ``Fix``:
 and what scratch it books (oneDNN picks a convolution implementation per CPU ISA, cache size
 and thread count).  Their calls are run once for real on the host at a few batch sizes, alone,
 and the CPU allocator's events give the exact ``output_bytes`` and ``scratch``
-(``estimator.target.cpu``); nothing is fitted on one machine.
+(``estimator.corrections.cpu.host``); nothing is fitted on one machine.
 
 A correction that depends on the GPU (SM count, architecture) takes a fourth parameter
 ``spec``: the capture's ``TargetSpec``.
@@ -65,8 +65,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _foreach_utils
 
-from estimator.categories import Target
-from estimator.symbolic import as_expr
+from estimator.vocab.categories import Target
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 
@@ -423,7 +423,7 @@ def bind(func, args, kwargs) -> dict[str, Any]:
 
 def _spec(target):
     """``(Target, TargetSpec)`` from either (a bare CUDA target means the default GPU)."""
-    from estimator.target.spec import TargetSpec, target_spec
+    from estimator.vocab.target import TargetSpec, target_spec
 
     if isinstance(target, TargetSpec):
         return target.device, target

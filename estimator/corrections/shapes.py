@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch._refs
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import fake_kernel
 
 aten = torch.ops.aten

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 from estimator.integrations import _common
 
 SOURCES = ("transformers", "timm", "torchvision")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 
 SEED = 0  # samples (and real-device weights) are the same on every call
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, image_loss, import_optional, pair, randn, suggest
 
 _HUB_PREFIXES = ("hf-hub:", "hf_hub:", "local-dir:")

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, image_loss, import_optional, pair, randn, suggest
 
 VIDEO_FRAMES = 16

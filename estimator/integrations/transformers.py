@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from estimator.errors import InputError
+from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, import_optional, pair, randint, randn, suggest
 
 DEFAULT_SEQ = 512  # the most tokens a default sample holds
@@ -456,7 +456,7 @@ def trainer_step(max_grad_norm: float | None = 1.0, *, accumulate: int = 1, amp:
     - ``accumulate`` micro-batches per optimizer step (``gradient_accumulation_steps``): the
       batch holds all of them (``get_batch_samples`` fetches them before the step; they stay in
       its list to the end) and is split into ``accumulate`` equal micro-batches
-      (``estimator.step.micro_batches``: views).  With ``accumulate > 1`` pass
+      (``estimator.capture.steps.micro_batches``: views).  With ``accumulate > 1`` pass
       ``report(strategy=Strategy(accumulate=accumulate))`` too: ``b`` is then the optimizer
       step's batch and the capture's symbol the micro-batch (without it the split is refused);
     - for models that take loss kwargs (``accepts_loss_kwargs``, else ``**kwargs`` in
@@ -579,7 +579,7 @@ def _device_type(device: Any) -> str:
 def _micro_batches(batch: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
     """``batch`` as ``k`` equal micro-batches (views); refused where dim 0 does not split in ``k``
     (a symbolic size ``k*m`` does: ``report(strategy=Strategy(accumulate=k))``)."""
-    from estimator.step import micro_batches
+    from estimator.capture.steps import micro_batches
 
     if k == 1:
         return [batch]
@@ -766,7 +766,7 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
       ``world_size`` devices), and DDP when ``world_size`` > 1: ``strategy``.  DeepSpeed, FSDP1,
       CPU offload, FSDP's own checkpointing and other wrap policies are refused.
     """
-    from estimator.strategy import Strategy
+    from estimator.vocab.strategy import Strategy
 
     args = training_arguments(args)
     device = _device_type(device)
@@ -973,7 +973,7 @@ def _with_next_micro_batch(step_fn, k: int):
 
 def _strategy_call(strategy: Any) -> str:
     """``Strategy(accumulate=2, data_parallel=4)``: the fields that are not the default."""
-    from estimator.strategy import DEFAULT
+    from estimator.vocab.strategy import DEFAULT
 
     fields = [f"{f.name}={getattr(getattr(strategy, f.name), 'value', getattr(strategy, f.name))!r}"
               for f in dataclasses.fields(strategy) if getattr(strategy, f.name) != getattr(DEFAULT, f.name)]

@@ -7,14 +7,14 @@ scores and accumulators in the forward (``buf`` sized by the thread count and th
 sizes the kernel picks), and in the backward an fp32 accumulator of ``grad_q`` (a q-sized
 buffer for fp32 inputs: +6 MiB at b = 8, 12 heads, 256 tokens) plus per-thread blocks.  The
 block sizes depend on the sequence length, and the buffers on the thread count, so the calls
-are measured (``estimator.target.cpu``).
+are measured (``estimator.corrections.cpu.host``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import measured
 
 aten = torch.ops.aten

@@ -10,14 +10,14 @@ and oneDNN books a scratchpad whose entries come from the implementation it pick
 host's ISA (src/cpu/x64/jit_*conv*, brgemm convolutions on AVX-512/AMX): sizes fitted on an
 AVX-512 host were −40 % … +76 % off on an AVX2 host.  So every CPU convolution, forward and
 backward, any dimension, groups, dilation, stride or dtype, is run on the host
-(``estimator.target.cpu``) and priced from the allocator's events.
+(``estimator.corrections.cpu.host``) and priced from the allocator's events.
 """
 
 from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import fake_kernel, is_contiguous, measured
 
 aten = torch.ops.aten
@@ -37,7 +37,7 @@ def _without_backend_guard(func):
     formula at b = 15.  The choice only decides the outputs' memory format, which follows the
     input on every CPU backend when the tensors are contiguous (NCHW); so for those the guard
     is not recorded.  (What the kernel that really runs at each b allocates is measured:
-    ``estimator.target.cpu``.)"""
+    ``estimator.corrections.cpu.host``.)"""
 
     def kernel(*args, **kwargs):
         tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]

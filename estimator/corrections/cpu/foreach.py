@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import Fix, correction
 
 aten = torch.ops.aten

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
@@ -43,7 +43,7 @@ from estimator.corrections.registry import (
     numel,
     parallel_on_cpu,
 )
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 _NONE, _MEAN = 0, 1  # at::Reduction::None, Mean (Sum = 2)

@@ -14,17 +14,17 @@ aten/src/ATen/native/LinearAlgebra.cpp), whose brgemm implementations book a scr
 (packed blocks, per-thread accumulators) that depends on the ISA (AVX512_BF16, AMX, or AVX2
 emulation), the shapes and the thread count: 11 to 43 KB per call measured on small shapes on
 an AVX-512 host, which was −1.7 to −2.3 % of checkpointed bf16 steps.  They are measured
-(``estimator.target.cpu``), within the per-call compute limit there.
+(``estimator.corrections.cpu.host``), within the per-call compute limit there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import (MEASURE, NO_FIX, Fix, correction, in_reduced_precision, is_gemm_ready,
                                            leading_dimension_ok)
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 

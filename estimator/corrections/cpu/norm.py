@@ -5,7 +5,7 @@ aten/src/ATen/native/cpu/batch_norm_kernel.cpp) allocates per-channel statistics
 channels-last or reduced-precision inputs, other temporaries; its backward allocates
 ``grad_input`` only when ``output_mask[0]`` asks for it, while the meta kernel always shows one
 (an input-sized tensor too many in training when the input needs no gradient).  What the real
-kernels allocate is measured per call (``estimator.target.cpu``).
+kernels allocate is measured per call (``estimator.corrections.cpu.host``).
 
 ``layer_norm_cpu`` (aten/src/ATen/native/layer_norm.cpp) normalizes ``input.contiguous()``: a
 non-contiguous input (ConvNeXt's ``LayerNorm2d``: ``norm(x.permute(0, 2, 3, 1))``) is first
@@ -20,9 +20,9 @@ import math
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, fake_kernel, is_contiguous, measured
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 

@@ -7,7 +7,7 @@ fp32 first (``at::_to_copy``: an input-sized fp32 buffer alive during the op), w
 kernels do not show (−5 % and more on bf16 models with a global average pool).  Adaptive
 average pooling (aten/src/ATen/native/cpu/AdaptiveAvgPoolKernel.cpp) likewise accumulates in
 fp32 scratch for reduced-precision inputs.  Which buffers appear depends on the kernel's
-vectorization path, so the calls are measured (``estimator.target.cpu``).  ``sum`` of bools or
+vectorization path, so the calls are measured (``estimator.corrections.cpu.host``).  ``sum`` of bools or
 narrow integers casts to int64 the same way (``sum`` promotes them to int64).
 
 Pooling kernels, forward and backward (aten/src/ATen/native/cpu/MaxPoolKernel.cpp,
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import in_reduced_precision, is_contiguous, measured
 
 aten = torch.ops.aten

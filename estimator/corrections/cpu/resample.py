@@ -9,7 +9,7 @@ when the input is channels-last with more than 3 channels, or when the output's
 upsample to 32 x 32 of a 16-channel NCHW map thus allocates an input-sized and an
 output-sized copy besides its output (measured: 49,152 + 196,608 B at b = 3), which the meta
 kernel does not; the backward kernels have their own paths.  The thresholds have changed
-between releases, so every call is run on the host (``estimator.target.cpu``) and priced from
+between releases, so every call is run on the host (``estimator.corrections.cpu.host``) and priced from
 the allocator's events.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import measured
 
 aten = torch.ops.aten

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import Fix, correction
-from estimator.errors import SymbolicCaptureFailed
-from estimator.symbolic import as_expr
+from estimator.vocab.errors import SymbolicCaptureFailed
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 

@@ -72,12 +72,12 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
 from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import Fix, bind, correction, substitute
-from estimator.errors import SymbolicCaptureFailed
-from estimator.symbolic import as_expr
+from estimator.vocab.errors import SymbolicCaptureFailed
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
 
 aten = torch.ops.aten

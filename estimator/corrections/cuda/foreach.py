@@ -18,7 +18,7 @@ import math
 import sympy
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, aten, bind, correction, is_contiguous, numel
 
 K_CHUNK_SIZE = 65536  # kChunkSize, MultiTensorApply.cuh: elements one block reduces

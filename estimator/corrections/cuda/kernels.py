@@ -64,18 +64,18 @@ import torch
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import (NO_FIX, Fix, _row_major, bind, correction, is_contiguous, nbytes, numel,
                                            substitute)
-from estimator.symbolic import as_expr
+from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
 
 # Short names of what the CUDA target does not model (details in the docstrings above/below).
 NOT_MODELLED: list[Gap] = [
     Gap("cuDNN convolution workspace (chosen at run time: its bound per call in its own note, "
-        "corrections/cuda/cudnn.py)", ("convolution",)),
+        "devices/cudnn.py)", ("convolution",)),
     Gap("cuDNN batch-norm workspace / reserve space (cuDNN size queries; channels-last training)", ("batch_norm",)),
     Gap("CUDA reduction staging buffer + semaphores (Reduce.cuh global reduce; loss reductions)",
         ("aten.sum", "aten.mean", "norm.", "nll_loss", "aten.amax", "aten.amin", "aten.max.", "aten.min.",
@@ -84,7 +84,7 @@ NOT_MODELLED: list[Gap] = [
         ("cumsum", "cumprod", "unique", "nonzero", "masked_select", "embedding_dense_backward")),
     Gap("CUB radix-sort histogram + look-back arrays (embedding backward: estimate is a lower bound)",
         ("sort", "embedding_dense_backward", "topk")),
-    Gap("SM-count branches on GPUs missing from estimator.target.gpus.SM_COUNTS: 132 SMs assumed"),
+    Gap("SM-count branches on GPUs missing from estimator.vocab.gpus.SM_COUNTS: 132 SMs assumed"),
     Gap("quack (cutlass-dsl) RMSNorm override, when installed: (sm_count, N) fp32 partial dw in backward",
         ("_fused_rms_norm",)),
     Gap("RMSNorm double backward (create_graph=True): composite backward, not _fused_rms_norm_backward",

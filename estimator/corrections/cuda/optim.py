@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.categories import Target
+from estimator.vocab.categories import Target
 from estimator.corrections.registry import host_state, optimizer_rule
 
 _HOSTED = ("step", "mu_product")  # 0-dim state the optimizers create with torch.tensor(...) on CPU

@@ -1,0 +1,217 @@
+"""A run from a cold start, replayed through the caching-allocator model.
+
+What a user's job does, and what ``torch.cuda.max_memory_reserved()`` or nvidia-smi show after a
+few steps of it::
+
+    model = build().to("cuda")                  # parameters and buffers arrive (Module._apply's order)
+    opt = torch.optim.AdamW(model.parameters())  # (its state comes with the first opt.step())
+    for x in batches:            # rebinding x frees the previous step's batch
+        x = x.to("cuda")
+        out = model(x)           # the previous step's out and loss are freed when out is rebound
+        loss = loss_fn(out, x)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+The first step differs from the steady ones: the optimizer state is made inside the first
+``optimizer.step()`` (``Optimizer._init_group``), out of blocks the step's activations just
+freed; a ``GradScaler``'s scale and the gradients a step keeps (``zero_grad(set_to_none=False)``)
+come with the first backward; each cuBLAS workspace with the first matmul of its thread
+(``CublasHandlePool.cpp``: ``getCurrentCUDABlasHandle`` -> ``getCUDABlasLtWorkspace``).  No
+``empty_cache()`` happens, so the segments the first step leaves shape every later one.  Steady
+steps follow until the allocator's state (``CachingAllocatorModel.snapshot``) repeats one it
+had after an earlier steady step: the steps between the two are a cycle every later step
+repeats (often of two steps: the previous output takes one of two blocks in turns).  Small
+blocks can drift for many steps before they cycle (BERT-base: 11); the replay also stops when
+the peaks, the reserved bytes and the segments have not changed for ``STABLE`` steps, and says
+so (``Run.repeated`` False).
+
+Where the state comes from is ``Timeline.births`` (``estimator.capture.trace._mark_births``) and
+``Timeline.marks`` (the ops where each ``optimizer.step()`` starts and the built-in step's model
+call returns).  A timeline without them (a strategy's per-rank step) loads all of its state
+first, in storage order.  A user's step function returns before the next starts: what it
+returns is freed at once.  Not modelled: the allocations of a transformers ``from_pretrained``
+load (its order and temporaries; the parameters are placed as ``.to()`` places them), and
+optimizers with several parameter groups make each group's state just before that group's
+update, not all at the start of ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from estimator.account import Timeline
+from estimator.vocab.categories import Birth, Category, Phase
+from estimator.devices.cuda_allocator import AllocatorConfig, AllocatorStats, CachingAllocatorModel
+
+MAX_STEPS = 16  # steps replayed at most
+STABLE = 4  # ... or until the figures have not changed for this many steps (a layout that drifts slowly)
+
+
+@dataclass(frozen=True)
+class Run:
+    """The allocator's figures over a replayed run (``stats``: its peaks are the run's)."""
+
+    stats: AllocatorStats
+    steps: int  # steps replayed
+    repeated: bool  # whether the allocator's state repeated (the figures hold for any longer run; else they
+    # were the same over the last STABLE steps, or the run reached MAX_STEPS)
+    carried: int = 0  # bytes of the previous step's output and loss alive at the allocated peak
+
+
+def replay_run(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: list[tuple[int, int]],
+               capacity: int | None = None, device_total: int | None = None, max_steps: int = MAX_STEPS) -> Run:
+    """Replay the model's load and steps of ``timeline`` at batch size ``b`` until the allocator's
+    state after a step repeats (at least three steps: the first, then two steady ones).
+
+    ``workspaces``: ``(op index, bytes)`` of each buffer a library makes at its first use in the
+    first step and holds from then on (the cuBLAS workspaces).  ``capacity`` and ``device_total``:
+    as ``CachingAllocatorModel`` takes them.
+    """
+    return _replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total, max_steps)
+
+
+def replay_step(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: list[tuple[int, int]],
+                capacity: int | None = None, device_total: int | None = None) -> AllocatorStats:
+    """One steady step measured after a warm-up step, as a benchmark measures it: the model
+    loaded, one batch moved, a first step (what it returns freed at once), ``empty_cache()``,
+    ``reset_peak_memory_stats()``, a second step on the same batch: its peaks."""
+    plan = _Plan(timeline, b, workspaces)
+    plan.returns, plan.same_batch = None, True  # what the warm-up step returns is deleted; one batch
+    return _replay(plan, timeline, cfg, capacity, device_total, 2, reset_after_first=True).stats
+
+
+def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int | None, device_total: int | None,
+            max_steps: int, reset_after_first: bool = False) -> Run:
+    alloc = CachingAllocatorModel(cfg, capacity, device_total=device_total)
+    handles: dict[Hashable, int] = {}
+    previous: list[tuple[int, int]] = []  # the previous step's output and loss: (handle, bytes)
+    carried = [0, 0]  # bytes in ``previous`` now, and when the allocated peak was last raised
+
+    def new(key: Hashable, nbytes: int) -> None:
+        peak = alloc.peak_allocated
+        handles[key] = alloc.malloc(nbytes)
+        if alloc.peak_allocated > peak:
+            carried[1] = carried[0]
+
+    def drop(key: Hashable) -> None:
+        handle = handles.pop(key, None)
+        if handle is not None:
+            alloc.free(handle)
+
+    for key in plan.loaded:
+        new(key, plan.sizes[key])
+    seen: set = set()  # the allocator's state after each steady step
+    figures = []  # the peaks, reserved bytes and segments after each step
+    for n in range(max_steps):
+        first = n == 0
+        if reset_after_first and n == 1:
+            alloc.empty_cache()
+            alloc.reset_peak_stats()
+            carried[1] = 0
+        for key in plan.batch:
+            if not (plan.same_batch and key in handles):
+                drop(key)
+                new(key, plan.sizes[key])
+        for key in plan.frees.get(-1, ()):
+            drop(key)
+        for i in range(len(timeline.ops) + 1):
+            if first:
+                for key, nbytes in plan.born.get(i, ()):
+                    new(key, nbytes)
+            if i == plan.returns:
+                for handle, _ in previous:
+                    alloc.free(handle)
+                previous, carried[0] = [], 0
+            if i == len(timeline.ops):
+                break
+            for key in plan.allocs.get(i, ()):
+                new(key, plan.sizes[key])
+            if plan.scratch[i]:
+                new("scratch", plan.scratch[i])
+                drop("scratch")
+            for key in plan.frees.get(i, ()):
+                drop(key)
+        for key in plan.survivors:
+            if key not in handles:
+                continue
+            if key in plan.replaces:  # the state the next step frees and makes again
+                handles[plan.replaces[key]] = handles.pop(key)
+            elif plan.returns is None:
+                drop(key)
+            else:
+                previous.append((handles.pop(key), plan.sizes[key]))
+                carried[0] += plan.sizes[key]
+        if n:
+            snapshot = alloc.snapshot()
+            if snapshot in seen:  # a cycle (often of two steps: blocks the output takes in turns), replayed once
+                return Run(alloc.stats, n + 1, True, carried[1])
+            seen.add(snapshot)
+        stats = alloc.stats
+        figures.append((stats.peak_allocated, stats.peak_reserved, stats.reserved, stats.segments))
+        if len(figures) > STABLE and len(set(figures[-STABLE - 1:])) == 1:
+            break
+    return Run(alloc.stats, len(figures), False, carried[1])
+
+
+class _Plan:
+    """The run's events at one batch size, by op index: what each op allocates and frees, the
+    state the first step makes before it, the storages that outlive the step."""
+
+    def __init__(self, timeline: Timeline, b: int, workspaces: list[tuple[int, int]]) -> None:
+        storages = timeline.storages
+        self.sizes = {k: nbytes(b) for k, (nbytes, *_) in enumerate(storages)}
+        births = timeline.births or (None,) * len(storages)  # unknown: state loaded first, in storage order
+        self.allocs: dict[int, list[int]] = {}
+        self.frees: dict[int, list[int]] = {}
+        self.scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
+        self.born: dict[int, list[tuple[Hashable, int]]] = {}
+        self.survivors: list[int] = []
+        load, setup, self.batch = [], [], []
+        first_backward = next((i for i, op in enumerate(timeline.ops) if op.phase is Phase.BACKWARD), None)
+        first_optimizer = next((i for i, op in enumerate(timeline.ops) if op.phase is Phase.OPTIMIZER), None)
+        starts = timeline.marks.optimizer_starts
+        for k, ((_, category, op, freed), born) in enumerate(zip(storages, births)):
+            if freed is not None:
+                self.frees.setdefault(freed, []).append(k)
+            if op >= 0:
+                self.allocs.setdefault(op, []).append(k)
+                if freed is None:
+                    self.survivors.append(k)
+            elif born is None or born.when is Birth.LOAD:
+                load.append((k if born is None else born.order, k))
+            elif born.when is Birth.SETUP:
+                setup.append(k)
+            elif born.when is Birth.BATCH:
+                self.batch.append(k)
+            else:
+                at = starts[born.order] if born.when is Birth.OPTIMIZER and born.order < len(starts) else None
+                if at is None:
+                    at = first_backward if born.when is Birth.BACKWARD else first_optimizer
+                self.born.setdefault(0 if at is None else at, []).append((k, self.sizes[k]))
+        self.loaded = [k for _, k in sorted(load)] + setup
+        for n, (at, nbytes) in enumerate(workspaces):
+            self.born.setdefault(at, []).append((("workspace", n), nbytes))
+        self.returns = timeline.marks.model_returns
+        self.same_batch = False  # a new batch every step (else one batch, moved once)
+        self.replaces = _replaced(timeline, self.survivors, self.sizes)
+
+
+def _replaced(timeline: Timeline, survivors: list[int], sizes: dict[int, int]) -> dict[int, int]:
+    """Storages the step makes that outlive it, paired with the state alive before it that the
+    step frees (an optimizer that replaces its state, a step that rebinds a buffer): the same
+    category, parameter and size.  Inputs are a new batch every step, not paired."""
+    freed: dict[tuple, list[int]] = {}
+    for k, (_, category, op, after) in enumerate(timeline.storages):
+        if op < 0 and after is not None and category is not Category.INPUT:
+            freed.setdefault((category, _owner(timeline, k), sizes[k]), []).append(k)
+    pairs = {}
+    for k in survivors:
+        same = freed.get((timeline.storages[k][1], _owner(timeline, k), sizes[k]))
+        if same:
+            pairs[k] = same.pop(0)
+    return pairs
+
+
+def _owner(timeline: Timeline, k: int) -> str | None:
+    return timeline.owners[k] if timeline.owners else None
+

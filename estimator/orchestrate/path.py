@@ -1,0 +1,255 @@
+"""The capture path of one ``report()``: symbolic in ``b`` and ``s``, ``b`` alone, or fitted
+concrete captures -- which one held, and the notes that say why it fell back.
+
+``formula`` captures the single-device step as formulas (shared by the requests of one
+``compare`` with the same captured step); ``at_batch`` evaluates it at a request's batch (a
+concrete capture there when it lies outside the formula's range) and, for a pipeline, maps it
+to formulas in the pipeline's batch.  Named after ``CapturePath``, the choice it records;
+``estimator.api`` checks the arguments before and assembles the ``Report`` after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from estimator.account import CATEGORIES, Timeline, account, fit_timelines
+from estimator.capture import compiled, datadep
+from estimator.capture.trace import StepSpec, capture
+from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
+from estimator.reporting.result import CapturePath
+from estimator.ranks.per_rank import RankStep
+from estimator.vocab.symbolic import ZERO, NotPolynomial, Poly
+
+log = logging.getLogger("estimator.api")  # the logger these messages always had
+
+
+@dataclasses.dataclass(frozen=True)
+class Formula:
+    """The captured single-device step as formulas (before any batch is evaluated)."""
+
+    timeline: Timeline
+    path: CapturePath
+    valid_from: int
+    valid_to: int | None
+    guards: tuple[str, ...]
+    graph: Any
+    seq: int | None
+    seq_range: tuple[int, int | None] | None
+    notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
+    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
+    own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
+
+    @property
+    def seq_range_lo(self) -> int:
+        return (self.seq_range or (0,))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured(Formula):
+    """The formulas of one request (a pipeline's in its batch) and the timeline at its batch."""
+
+    at_batch: Timeline | None = None  # ``timeline`` at the sample's ``s``, or a capture at ``batch`` itself
+    outside: bool = False  # ``batch`` lies outside the formula's range
+    separate: bool = False  # ``at_batch`` is a capture of its own (outside, or a compiled step's own program)
+
+
+def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
+            seq_dims: dict[int, tuple[int, ...]] | None, seq: int | None) -> Formula:
+    """Capture the step symbolically (b, and s when ``seq_dims``), falling back to b alone and
+    then to fitted concrete captures, hinted at the batch of one micro-batch."""
+    notes: list[str] = []
+    hint = max(batch // microbatches, 2)
+    if hint == seq:
+        hint += 1  # equal hints would make b and s one symbol (duck sizing)
+    graph, seq_range = None, None
+    try:
+        try:
+            raw = capture(model, sample, spec, hint, symbolic=True, seq_dims=seq_dims)
+        except SymbolicCaptureFailed as exc:  # with s symbolic: try again with b alone first
+            if seq is None:
+                raise
+            log.info("s could not stay symbolic (%s); capturing with b symbolic only", exc)
+            notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
+            seq = None
+            raw = capture(model, sample, spec, hint, symbolic=True)
+        timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
+        notes.extend(raw.notes)
+        if raw.rounded:
+            notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
+        valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
+        sites = raw.data_dependent
+    except SymbolicCaptureFailed as exc:
+        log.info("symbolic capture failed (%s); fitting concrete captures", exc)
+        path, guards, valid_from = CapturePath.CONCRETE, (), 2
+        try:
+            timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
+        except CaptureError as differs:
+            if spec.compiled is None and not isinstance(differs, _ProgramDiffers):
+                raise
+            # the program follows the batch size (a Python loop over the rows; the compiler's picks):
+            # the capture at this size is exact, and holds for it alone
+            raw = capture(model, sample, spec, hint, symbolic=False)
+            timeline, graph, valid_from, valid_to, sites = account(raw), raw.graph, hint, hint, raw.data_dependent
+            why = ("the compiler's choices follow the sizes" if spec.compiled is not None else
+                   "the model's Python depends on the batch size, e.g. a loop over its rows")
+            note = (f"symbolic capture failed ({exc}) and the programs at b = {hint} and {hint + 1} run different "
+                    f"ops ({why}): the numbers hold for b = {hint} only; report each batch size you consider")
+            host_notes = raw.notes
+        notes.append(note + ("; assumed linear elsewhere" if valid_to is None else
+                             "" if valid_to == valid_from else f"; it holds up to b = {valid_to}"))
+        notes.extend(host_notes)
+        if seq is not None:
+            notes.append(f"the formulas are for s = {seq} (dynamic= needs the symbolic capture)")
+            seq = None
+    _annotate(graph, timeline)
+    own = None
+    if spec.compiled is not None:
+        timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path, notes)
+        notes.extend(compiled_notes)
+    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own)
+
+
+def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
+             captured: Formula) -> Captured:
+    """The step ``captured`` evaluated at ``batch`` -- a concrete capture there when it lies
+    outside the formula's range -- and, for ``microbatches > 1`` (a pipeline), turned into
+    formulas in the pipeline's batch."""
+    timeline, seq, notes = captured.timeline, captured.seq, list(captured.notes)
+    m = microbatches
+    micro = batch // m
+    valid_from, valid_to = captured.valid_from, captured.valid_to
+    at = timeline.at_s(seq) if seq is not None else timeline  # everything at the sample's s
+    outside = micro < valid_from or (valid_to is not None and micro > valid_to)
+    own = not outside and captured.own is not None and captured.own[0] == micro
+    if own:  # a compiled step's program for this batch size
+        at = captured.own[1]
+    elif outside:  # the formula does not hold here: capture this batch size itself
+        at = account(capture(model, sample, spec, micro, symbolic=False))
+        notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
+    if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
+        try:
+            timeline, at = per_micro(timeline, m), per_micro(at, m)
+        except NotPolynomial:
+            timeline, at = per_micro(timeline, m, True), per_micro(at, m, True)
+            notes.append(rounded_note(m))
+        valid_from, valid_to = m * valid_from, None if valid_to is None else m * valid_to
+    return Captured(**{**vars(captured), "timeline": timeline, "valid_from": valid_from, "valid_to": valid_to,
+                       "notes": tuple(notes)}, at_batch=at, outside=outside, separate=outside or own)
+
+
+def per_micro(timeline: Timeline, m: int, round_up: bool = False) -> Timeline:
+    """``timeline`` of micro-batches of ``b / m`` rows: its storages' and scratch bytes mapped by
+    ``Poly.per_micro``, the live bytes recomputed from them."""
+    return RankStep.of(timeline).per_micro(m, round_up).timeline()
+
+
+def rounded_note(k: int, examples: tuple[str, ...] = ()) -> str:
+    shown = f" (e.g. a tensor of {examples[0]} bytes for a micro-batch of b rows)" if examples else ""
+    return (f"some tensors' bytes per sample are not a multiple of {k}{shown}: their coefficients in b (the step's "
+            f"batch, {k} micro-batches of b/{k}) are rounded up, so the formula may be high by less than b bytes "
+            "per such tensor")
+
+
+def _annotate(graph, timeline: Timeline) -> None:
+    """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
+    allocated by category, its module path and phase."""
+    nodes = {node.name: node for node in graph.nodes}
+    for op in timeline.ops:
+        node = nodes.get(op.node)
+        if node is not None:
+            node.meta["fxmem"] = {
+                "live": op.total.expr,
+                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO},
+                "module": op.module,
+                "phase": op.phase,
+            }
+
+
+def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
+    """Fit concrete captures; returns the timeline, the graph, the last valid b, a note, and the
+    notes (host-measured kernels, data-dependent sizes) and data-dependent sizes of the first
+    capture.
+
+    The captures are at ``hint``, ``hint + k`` and ``4 * hint`` (``k``: the accumulated
+    micro-batches, whose number must divide every captured batch; far apart, so that memory
+    rounded to pages cannot pass for flat).  If ``4 * hint`` runs other ops, ``hint + 2k`` is
+    used instead and the formula holds up to it only.  Memory that is linear only up to
+    rounding (kernel workspaces rounded to pages) gets the line through the two ends, exact
+    at ``hint``; the note states its largest deviation from the captures.
+    """
+    k = spec.strategy.accumulate
+    next_ = hint + k
+    near = [capture(model, sample, spec, b, symbolic=False) for b in (hint, next_)]
+    _check_same_ops(near[0], near[1], hint, next_, why)
+    far, valid_to = 4 * hint, None
+    raw = capture(model, sample, spec, far, symbolic=False)
+    if [op.name for op in raw.ops] != [op.name for op in near[0].ops]:
+        far, valid_to = hint + 2 * k, hint + 2 * k
+        raw = capture(model, sample, spec, far, symbolic=False)
+        _check_same_ops(near[0], raw, hint, far, why)
+    batches, raws = [hint, next_, far], [*near, raw]
+    timelines = [account(r) for r in raws]
+    note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {next_}, {far}"
+    try:
+        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
+    except NotPolynomial:
+        fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
+        deviation = max(
+            abs(op.total(b) - t.ops[i].total(b)) for b, t in zip(batches, timelines) for i, op in enumerate(fitted.ops)
+        )
+        note += (
+            f"; memory is linear in b only up to rounding (kernel buffers rounded to 4 KiB pages): the "
+            f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
+            "other captures, and elsewhere by up to a page per rounded buffer"
+        )
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
+
+
+def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath,
+            notes_so_far: list[str]):
+    """A compiled step at its own batch size: ``torch.compile`` (``dynamic`` not True) compiles a
+    loop at one batch size for that size, static shapes, and Inductor plans such a program apart
+    from the one-for-every-b program the symbolic capture compiled (a freed buffer reused where two
+    sizes happen to coincide, ``torch/_inductor/codegen/wrapper.py`` ``ReuseLine``; small static
+    matrices decomposed).  Returns the formula (raised to the static program's peak at ``hint``
+    where that is higher), the capture at ``hint`` (``Formula.own``: the report's numbers there)
+    and the notes."""
+    if compiled.NO_GRAPH in notes_so_far:  # it ran eager: no program of its own at any size
+        return timeline, None, []
+    label = spec.compiled.label
+    notes = [f"the step is compiled (torch.compile, {label}) and estimated as compiled: "
+             f"{spec.compiled.program}", *compiled.notes(spec)]
+    if spec.compiled.dynamic or path is CapturePath.CONCRETE:  # the formula's captures are static programs
+        return timeline, None, notes
+    static = account(capture(model, sample, spec, hint, symbolic=False))
+    at = timeline.at_s(seq) if seq is not None else timeline
+    formula_peak = max(p(hint) for p, _ in at.candidates())
+    static_peak = max(p(hint) for p, _ in static.candidates())
+    off = 100 * (static_peak - formula_peak) / static_peak
+    if static_peak > formula_peak:  # never below the program the user runs at b=hint
+        timeline = timeline.raised(Poly.const(static_peak - formula_peak))
+    notes.append(f"each batch size compiles its own program (static shapes, as a loop at one batch size does): the "
+                 f"numbers at b={hint} come from that program; the formula in b is the program compiled for every "
+                 f"b at once (dynamic=True), {formula_peak:,} B at b={hint} ({off:+.1f}% from the static program's "
+                 f"{static_peak:,} B)" + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, "
+                 "at every b" if static_peak > formula_peak else "") + ("; at other batch sizes the static program "
+                 "can differ as much: report the batch you choose for its exact numbers" if abs(off) >= 0.5 else ""))
+    return timeline, (hint, static), notes
+
+
+class _ProgramDiffers(CaptureError):
+    """The concrete captures at two batch sizes run different ops."""
+
+
+def _check_same_ops(reference, raw, b0: int, b: int, why: Exception) -> None:
+    names, expected = [op.name for op in raw.ops], [op.name for op in reference.ops]
+    if names != expected:
+        first = next((i for i, (x, y) in enumerate(zip(expected, names)) if x != y), min(len(names), len(expected)))
+        raise _ProgramDiffers(
+            f"symbolic capture failed ({why}) and the concrete fallback runs different ops at b={b0} and "
+            f"b={b} (first difference at op {first}): the memory of this model is not one formula in the batch size"
+        )

@@ -1,1 +1,0 @@
-"""Models of the runtime targets fxmem estimates for (allocators, devices)."""
