@@ -21,6 +21,8 @@ from estimator.vocab.units import GiB, KiB, MiB, format_bytes, parse_bytes
 
 _LAZY = {
     "report": "estimator.api",
+    "Request": "estimator.vocab.request",
+    "estimate": "estimator.orchestrate.estimate",
     "MemoryMonitor": "estimator.monitor",
     "MemoryWarning": "estimator.monitor",
     "CapturePath": "estimator.reporting.result",
@@ -65,12 +67,14 @@ __all__ = [
     "Poly",
     "RankReport",
     "Report",
+    "Request",
     "S",
     "Schedule",
     "Sharding",
     "Strategy",
     "Target",
     "compare",
+    "estimate",
     "format_bytes",
     "parse_bytes",
     "plan",
@@ -85,13 +89,13 @@ class _TorchvisionFirst(importlib.abc.MetaPathFinder):
     """Before ``torchvision`` is first imported (by transformers, timm, peft or the user), make
     it importable where its C++ extension cannot load (PyPI's Linux torchvision is a CUDA build:
     beside the CPU torch ``import torchvision`` raises "operator torchvision::nms does not
-    exist"): ``integrations._common.ensure_torchvision_importable``.  Once, then out of the way."""
+    exist"): ``compat.ensure_torchvision_importable``.  Once, then out of the way."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision":
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            from estimator.integrations._common import ensure_torchvision_importable
+            from estimator.compat import ensure_torchvision_importable
 
             ensure_torchvision_importable()
         return None

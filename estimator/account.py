@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from estimator.capture.trace import Decoding, RawCapture, RunMarks
+from estimator.capture.records import Decoding, RawCapture, RunMarks
 from estimator.vocab.categories import Born, Category, Phase
 from estimator.vocab.symbolic import ZERO, Poly, fit
 

@@ -15,7 +15,9 @@ from typing import Any
 from torch import nn
 
 from estimator.vocab.errors import InputError
-from estimator.api import _capture_formula, _capture_step, _device, _request, _result, _sample_batch
+from estimator.orchestrate.checked import device_name, sample_batch
+from estimator.orchestrate.estimate import estimate_each
+from estimator.vocab.request import Request
 from estimator.reporting.result import Report
 from estimator.vocab.strategy import Sharding, Strategy, blocks
 from estimator.vocab.units import as_int, format_bytes, parse_bytes
@@ -174,7 +176,7 @@ def compare(
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
     if strategies is None:
-        named, skipped = default_strategies(model, batch or _sample_batch(sample, batch_dims), devices)
+        named, skipped = default_strategies(model, batch or sample_batch(sample, batch_dims), devices)
     elif isinstance(strategies, Mapping):
         named = dict(strategies)
     else:
@@ -185,10 +187,10 @@ def compare(
             named.setdefault(s.describe(), s)
     if BASELINE not in named and Strategy() not in named.values():
         named = {BASELINE: Strategy(), **named}
-    options = {"mode": mode, "optimizer": optimizer, "loss_fn": loss_fn, "device": device, "gpu": gpu,
-               "alloc_conf": alloc_conf, "amp": None, "grad_scaler": None, "dynamic": dynamic,
-               "data_dependent": data_dependent, "batch_dims": batch_dims, "keep_output": keep_output}
-    reports = _reports(model, sample, batch, named, options)
+    request = Request(model, sample, batch=batch, mode=mode, optimizer=optimizer, loss_fn=loss_fn, device=device,
+                      gpu=gpu, alloc_conf=alloc_conf, dynamic=dynamic, data_dependent=data_dependent,
+                      batch_dims=batch_dims, keep_output=keep_output)
+    reports = estimate_each({label: request.replace(strategy=s) for label, s in named.items()})
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]
     rows = []
@@ -225,11 +227,11 @@ def plan(
     ``default_strategies`` plus their combinations with bf16 autocast and checkpointing.
     Options: as ``compare``."""
     batch = options.pop("batch", None)
-    if budget is None and _device(options.get("device", "cuda")) != "cuda":
+    if budget is None and device_name(options.get("device", "cuda")) != "cuda":
         raise InputError("plan needs a budget per device (bytes or e.g. '80GiB') with device='cpu'; on a GPU "
                          "(device='cuda', the default) it defaults to the GPU's memory")
     if strategies is None:
-        named, _ = default_strategies(model, batch or _sample_batch(sample, options.get("batch_dims")), devices)
+        named, _ = default_strategies(model, batch or sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)
         extra = {}
         for label, s in named.items():
@@ -256,18 +258,6 @@ def _budget(budget, options) -> int | None:
 
     spec, _ = target_spec("cuda", options.get("gpu"), options.get("alloc_conf"))
     return spec.gpu.total_memory
-
-
-def _reports(model, sample, batch, named: Mapping[str, Strategy], options) -> dict[str, Report]:
-    """``report()`` for every strategy, one capture per distinct captured step."""
-    requests = {label: _request(model, sample, batch, strategy=s, **options) for label, s in named.items()}
-    formulas = {}
-    out = {}
-    for label, request in requests.items():
-        if request.capture_key not in formulas:
-            formulas[request.capture_key] = _capture_formula(request)
-        out[label] = _result(request, _capture_step(request, formulas[request.capture_key]))
-    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ import estimator
 from estimator import Category
 from estimator.capture import steps as step
 from estimator.account import account
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.categories import Mode, Target
 from estimator.corrections.cuda import autocast
 from estimator.vocab.errors import CaptureError, InputError

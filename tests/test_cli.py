@@ -22,8 +22,7 @@ from click.testing import CliRunner
 
 import estimator
 import models_zoo
-from estimator import models
-from estimator.cli import _CAPTURING, cli
+from estimator.cli import _CAPTURING, cli, models
 from estimator.vocab.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]

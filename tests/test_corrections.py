@@ -15,7 +15,8 @@ from torch import nn
 import estimator
 from estimator.capture import steps as step
 from estimator.account import account
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.categories import Mode
 from estimator.corrections import lookup
 from estimator.corrections.cpu import rnn as rnn_fix

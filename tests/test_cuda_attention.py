@@ -1,4 +1,5 @@
-"""CUDA target: ``F.scaled_dot_product_attention`` (estimator/corrections/cuda/attention.py).
+"""CUDA target: ``F.scaled_dot_product_attention`` (estimator/corrections/cuda/attention_backends.py,
+attention_substitute.py, attention_workspaces.py).
 
 Backend choice follows sdp_utils.cpp ``select_sdp_backend``; the bytes follow the CUDA kernels
 (attention.cu, attention_backward.cu, flash_api.cpp, MHA.cpp), checked here by hand.
@@ -24,10 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from estimator import corrections
 from estimator.capture import steps as step
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.categories import Category, Mode, Target
-from estimator.corrections.cuda import attention as att
-from estimator.corrections.cuda.attention import Backend, select_backend
+from estimator.corrections.cuda import attention_substitute, attention_workspaces
+from estimator.corrections.cuda.attention_backends import Backend, select_backend, why_not
 from estimator.vocab.errors import SymbolicCaptureFailed
 from estimator.vocab.gpus import resolve_gpu
 from estimator.vocab.target import TargetSpec
@@ -131,7 +133,7 @@ def test_select_shapes_masks_gqa():
     # Older cuDNN (<= 9.15): the default order (flash first) on sm90.
     q, k, v = qkv()
     assert select_backend(s90, q, k, v, None, 0.0, False, cudnn_version=91000) is F_
-    assert att.why_not(s90, Backend.FLASH, q, k, v, bool_mask()) == "flash attention does not take an attn_mask"
+    assert why_not(s90, Backend.FLASH, q, k, v, bool_mask()) == "flash attention does not take an attn_mask"
 
 
 def test_select_honours_flags_priority_and_environment(monkeypatch):
@@ -162,10 +164,10 @@ def test_flash_split_kv_heuristic():
     block_n 256 -> 2 key blocks, 8 query blocks; 16 blocks < 0.8 * 216; efficiency 16/216 for
     1 split, 32/216 for 2 -> 2 splits.  Dropout disables split-KV; 1 query with GQA swaps groups
     into rows."""
-    assert att.flash_split_kv(1, 2, 2, 512, 512, 64, 0.0, 108) == (2, 512, 2)
-    assert att.flash_split_kv(1, 2, 2, 512, 512, 64, 0.1, 108) == (1, 512, 2)
-    assert att.flash_split_kv(64, 12, 12, 1024, 1024, 64, 0.0, 108) == (1, 1024, 12)
-    assert att.flash_split_kv(1, 32, 8, 1, 4096, 128, 0.0, 132)[1:] == (4, 8)
+    assert attention_workspaces.flash_split_kv(1, 2, 2, 512, 512, 64, 0.0, 108) == (2, 512, 2)
+    assert attention_workspaces.flash_split_kv(1, 2, 2, 512, 512, 64, 0.1, 108) == (1, 512, 2)
+    assert attention_workspaces.flash_split_kv(64, 12, 12, 1024, 1024, 64, 0.0, 108) == (1, 1024, 12)
+    assert attention_workspaces.flash_split_kv(1, 32, 8, 1, 4096, 128, 0.0, 132)[1:] == (4, 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +321,8 @@ def test_cpu_target_unchanged():
 
 
 def test_not_modelled_is_documented():
-    assert any("workspace" in gap.text for gap in att.NOT_MODELLED)
-    assert all(gap.text and gap.ops for gap in att.NOT_MODELLED)  # each concerns attention ops
+    assert any("workspace" in gap.text for gap in attention_substitute.NOT_MODELLED)
+    assert all(gap.text and gap.ops for gap in attention_substitute.NOT_MODELLED)  # each concerns attention ops
 
 
 def test_the_not_modelled_note_lists_what_applies():

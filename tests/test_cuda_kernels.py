@@ -11,7 +11,8 @@ from torch import nn
 
 from estimator import corrections
 from estimator.capture import steps as step
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.categories import Mode, Phase, Target
 from estimator.corrections import NO_FIX, lookup, packed
 from estimator.corrections.cuda import kernels, rnn

@@ -10,7 +10,7 @@ from torch import nn
 
 import estimator
 import models_zoo
-from estimator import api as estimate
+from estimator.orchestrate import estimate
 from estimator.devices import cudnn
 from estimator.devices.cudnn import CallKind
 from estimator.vocab.strategy import Strategy
@@ -21,19 +21,19 @@ CONTEXT = 512 * 2**20  # DEFAULT_CONTEXT_BYTES = 536,870,912
 
 
 def captured(model, sample, **kwargs):
-    """The report and what ``estimate._result`` received: the request and the captured step."""
+    """The report and what ``estimate.result`` received: the request and the captured step."""
     seen = {}
-    original = estimate._result
+    original = estimate.result
 
     def spy(request, step_):
         seen["request"], seen["step"] = request, step_
         return original(request, step_)
 
-    estimate._result = spy
+    estimate.result = spy
     try:
         rep = estimator.report(model, sample, device="cuda", **kwargs)
     finally:
-        estimate._result = original
+        estimate.result = original
     return rep, seen["request"], seen["step"]
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import estimator
 from estimator.account import CATEGORIES, OpMemory, Timeline
-from estimator.capture.trace import RunMarks
+from estimator.capture.records import RunMarks
 from estimator.vocab.categories import Birth, Born, Category, Phase
 from estimator.vocab.symbolic import ZERO, Poly
 from estimator.devices.cuda_allocator import AllocatorConfig

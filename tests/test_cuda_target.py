@@ -11,7 +11,8 @@ from torch import nn
 import estimator
 from estimator.capture import steps as step
 from estimator.account import account
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.categories import Category, Mode, Phase, Target
 from estimator.vocab.errors import InputError
 from estimator.devices.cuda import Overhead

@@ -176,7 +176,7 @@ def test_meta_weights(monkeypatch):
 def _families():
     """Tiny configs of the families whose generate() reads values only for several rows (the
     right-padding check with a pad token set), seed 0."""
-    from estimator.integrations._common import ensure_torchvision_importable
+    from estimator.compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     import transformers as t

@@ -22,7 +22,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import estimator
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.account import account
 from estimator.vocab.categories import Mode
 from estimator.corrections import lookup

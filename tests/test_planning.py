@@ -29,7 +29,7 @@ def test_compare_rows_against_single_device_reports():
                   "ckpt": Strategy(checkpoint=nn.Linear)}
     result = estimator.compare(model, x, 8, strategies, budget="2MiB", device="cpu")
     assert [r.label for r in result.rows] == ["single device", "ddp", "zero1", "ckpt"]
-    single = estimator.report(model, x, 8, device="cpu")
+    single = estimator.report(model, x, batch=8, device="cpu")
     base = result["single device"]
     assert base.peak_bytes == single.peak_bytes and base.saving == 0 and base.max_batch == single.max_batch("2MiB")
     ddp = result["ddp"]
@@ -39,7 +39,7 @@ def test_compare_rows_against_single_device_reports():
     # ring all-reduce of the gradients: 2 * (n-1)/n * 66_560 B = 66_560 B per device
     assert ddp.communication_bytes == PARAMS
     assert result["zero1"].communication_bytes == 3 * PARAMS // 2  # + the parameter broadcast
-    assert result["ckpt"].peak_bytes == estimator.report(model, x, 8, strategy=strategies["ckpt"],
+    assert result["ckpt"].peak_bytes == estimator.report(model, x, batch=8, strategy=strategies["ckpt"],
                                                          device="cpu").peak_bytes
     assert "recomputes" in result["ckpt"].cost
     assert "zero1" in str(result) and result.to_dict()["rows"][1]["label"] == "ddp"

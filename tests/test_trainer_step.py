@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer``'s own step (``integrations.transformers.trainer_step``) against a real
+"""Hugging Face ``Trainer``'s own step (``integrations.trainer.trainer_step``) against a real
 ``transformers.Trainer`` run on CPU.
 
 A tiny GPT-2 (2 layers, width 64, built from its config: nothing is downloaded) trains for two
@@ -36,7 +36,7 @@ _REPORTS: dict[tuple, estimator.Report] = {}
 def predict(b: int, seq: int, optim: str | None = None, max_grad_norm: float | None = 1.0) -> estimator.Report:
     """fxmem's prediction of Trainer's step on the first ``b`` rows of ``dataset(3 * b, seq)``
     (computed once per configuration)."""
-    from estimator.integrations.transformers import trainer_optimizer, trainer_step
+    from estimator.integrations.trainer import trainer_optimizer, trainer_step
 
     key = (b, seq, optim, max_grad_norm)
     if key not in _REPORTS:
@@ -99,7 +99,7 @@ def test_optimizer_is_trainers():
     needs_trainer()
     from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 
-    from estimator.integrations.transformers import TrainerLoop, _decay_parameter_names, trainer_optimizer
+    from estimator.integrations.trainer import TrainerLoop, _decay_parameter_names, trainer_optimizer
 
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
@@ -120,7 +120,7 @@ def test_the_clip_is_accelerates():
     ``get_total_norm``, a ``stack`` of one norm and its 2-norm, then ``clip_grads_with_norm_``:
     the same gradients and norm."""
     needs_trainer()
-    from estimator.integrations.transformers import _clip_grad_norm
+    from estimator.integrations.trainer import _clip_grad_norm
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(t) for t in (torch.randn(5, 3), torch.randn(7), torch.ones(2))]
@@ -143,7 +143,7 @@ def test_bad_input():
     needs_trainer()
     from transformers import TrainingArguments
 
-    from estimator.integrations.transformers import trainer_optimizer, trainer_step
+    from estimator.integrations.trainer import trainer_optimizer, trainer_step
 
     with pytest.raises(InputError, match="max_grad_norm"):
         trainer_step("1.0")

@@ -1,4 +1,4 @@
-"""``integrations.transformers.from_training_args``: Hugging Face ``TrainingArguments`` as users
+"""``integrations.training_args.from_training_args``: Hugging Face ``TrainingArguments`` as users
 write them, turned into the report of the optimizer step ``transformers.Trainer`` runs.
 
 - The mapping (``training_settings``), exact: ``b`` = ``per_device_train_batch_size`` ×
@@ -45,7 +45,7 @@ def lora():
 
 
 def settings(args, **kwargs):
-    from estimator.integrations.transformers import training_settings
+    from estimator.integrations.trainer import training_settings
 
     return training_settings(args, **kwargs)
 
@@ -125,7 +125,7 @@ def test_refused(args, message):
 
 
 def test_refused_by_from_training_args(monkeypatch):
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     model = gpt2()
     with pytest.raises(InputError, match=r"4 devices.*Strategy\(accumulate=2.*data_parallel=4"):
@@ -146,7 +146,7 @@ def test_optimizer_state_to_the_byte():
     """What each ``optim`` keeps, as Trainer builds it, counted from the tiny GPT-2's 28 parameter
     tensors (136,960 elements; 2-D ones (rows, cols)), plus Trainer's own three 0-dim fp32 tensors
     (``_tr_loss``, the last loss and gradient norm: 12 B)."""
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     params = list(gpt2().parameters())
     assert (len(params), sum(p.numel() for p in params)) == (28, 136_960)
@@ -177,7 +177,7 @@ def test_bitsandbytes_8bit_state_on_cuda():
     absmax per block of 256, smaller ones two fp32 states; the two 256-entry fp32 quantization
     maps are shared by every parameter (the CUDA kernel updates in place: nothing else)."""
     pytest.importorskip("bitsandbytes")
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     params = list(gpt2().parameters())
     blocks = lambda n: -(-n // 256)  # noqa: E731
@@ -202,7 +202,7 @@ CASES = {
 
 
 def predict(case: str) -> estimator.Report:
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     if case not in _REPORTS:
         make, extra = CASES[case]
@@ -294,7 +294,7 @@ def test_checkpointed_trainer_step_recomputes_with_the_cuda_kernels():
     forward did -- the backward the user step's phases wrap still runs under the substitutions
     (it failed with "a different number of tensors was saved during the original forward and
     recomputation")."""
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     args = dict(per_device_train_batch_size=B, gradient_accumulation_steps=K, gradient_checkpointing=True)
     rep = from_training_args(gpt2(), args, sample=batch_of(dataset(B * K), B * K), device="cuda", gpu="H100")

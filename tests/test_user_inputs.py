@@ -17,8 +17,9 @@ from torch import nn
 import estimator
 from estimator import CaptureError, InputError
 from estimator.capture import steps as step
+from estimator.cli import cli
+from estimator.cli.options import batch_dims
 from estimator.vocab.categories import Category
-from estimator.cli import _batch_dims, cli
 from estimator.vocab.units import parse_bytes
 from validators.cpu import measure_cpu
 
@@ -204,10 +205,10 @@ def test_batch_dims_addressing_and_errors():
 
 
 def test_cli_batch_dim(tmp_path):
-    assert _batch_dims(("1",)) == 1
-    assert _batch_dims(("src:1", "0:0")) == {"src": 1, 0: 0}
+    assert batch_dims(("1",)) == 1
+    assert batch_dims(("src:1", "0:0")) == {"src": 1, 0: 0}
     with pytest.raises(InputError, match="not both"):
-        _batch_dims(("1", "src:1"))
+        batch_dims(("1", "src:1"))
     source = tmp_path / "seqfirst.py"
     source.write_text("import torch\n"
                       "def make():\n"

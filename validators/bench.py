@@ -118,7 +118,7 @@ def run_cold_and_warm(*case) -> dict:
 def _hf_gpt2(device: str):
     """transformers' ``GPT2LMHeadModel`` (GPT-2 small, 124M, from its default config), 1024 tokens,
     its own loss (``labels``)."""
-    from estimator.integrations._common import ensure_torchvision_importable
+    from estimator.compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     from transformers import GPT2Config, GPT2LMHeadModel

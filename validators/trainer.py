@@ -1,6 +1,6 @@
 """Measure one optimizer step of a real ``transformers.Trainer`` on CPU.
 
-``estimator.integrations.transformers.trainer_step`` maps Trainer's step to a ``report(step=)``
+``estimator.integrations.trainer.trainer_step`` maps Trainer's step to a ``report(step=)``
 function; this runs the real Trainer (``train()`` with its accelerate dataloader, optimizer and
 scheduler) and measures the peak of its ``step``-th optimizer step with the CPU allocator's
 profiler events, as ``validators.cpu`` does for fxmem's own steps:
@@ -147,7 +147,7 @@ def main() -> None:
     import tempfile
 
     import estimator
-    from estimator.integrations.transformers import from_training_args
+    from estimator.integrations.training_args import from_training_args
 
     import_optional("transformers", "transformers")
     b, k, s = 4, 2, 32

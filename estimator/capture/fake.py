@@ -52,7 +52,7 @@ aten = torch.ops.aten
 # as eager drops it for real sizes (``applySlice`` in ATen/TensorIndexing.h returns ``self``
 # when ``length <= stop`` is statically known; the slice's ``stop`` is INT64_MAX).  Unbounded,
 # the capture recorded a ``slice`` whose backward (``slice_backward``) allocates a zeroed copy
-# of the whole gradient: Mamba's selective scan +7.7 % at b = 32.  ``_symbol_range`` reads this
+# of the whole gradient: Mamba's selective scan +7.7 % at b = 32.  ``symbols.symbol_range`` reads this
 # bound as no bound.
 SIZE_MAX = sys.maxsize
 

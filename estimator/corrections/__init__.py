@@ -18,7 +18,8 @@ from estimator.corrections import packed  # noqa: F401  (pack_padded_sequence an
 from estimator.corrections.cpu import attention as cpu_attention  # noqa: F401
 from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, resample, rnn  # noqa: F401
 from estimator.corrections.cpu import foreach as cpu_foreach  # noqa: F401  (a wrapped number per tensor)
-from estimator.corrections.cuda import attention, blas, kernels, optim  # noqa: F401
+from estimator.corrections.cuda import attention_substitute, attention_workspaces  # noqa: F401  (SDPA)
+from estimator.corrections.cuda import blas, kernels, optim  # noqa: F401
 from estimator.corrections.cuda import foreach  # noqa: F401  (_foreach_norm's per-chunk buffer)
 from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (

@@ -96,7 +96,7 @@ def multi_head_attention_forward(spec, func, args, kwargs):
     non-contiguous 3-D input: the ``linear`` branch above.  ``F.multi_head_attention_forward``
     re-dispatches to the substitution mode, which would run it with the mode popped, so its
     ``F.linear`` calls would not reach the entry: ``run_inside`` runs it with the mode active (the
-    CUDA target's entry, ``cuda/attention.py``, does the same for its attention backends)."""
+    CUDA target's entry, ``cuda/attention_substitute.py``, does the same for its attention backends)."""
     return run_inside(spec, func, args, kwargs)
 
 

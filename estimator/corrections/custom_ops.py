@@ -339,7 +339,7 @@ def undeclared_op(exc: BaseException, where: str | None = None) -> CaptureError 
     "There was no fake impl registered for <CustomOpDef(ns::op)>" (torch/_library/custom_ops.py,
     ``_register_fake_dispatcher_impl``); a meta tensor reaching an op without a Meta kernel gives
     "Could not run 'ns::op' with arguments from the 'Meta' backend".  Called by
-    ``estimator.capture.trace._errors_named``.  Built-in namespaces (aten, prims) are left alone:
+    ``estimator.capture.isolation.errors_named``.  Built-in namespaces (aten, prims) are left alone:
     their unsupported ops may run on the concrete fallback.
     """
     from torch._subclasses.fake_tensor import UnsupportedOperatorException

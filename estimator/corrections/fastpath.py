@@ -30,7 +30,7 @@ locals' lifetimes (Python locals freed where the C++ destroys them):
 - ``native_multi_head_attention_cuda`` (transformers/cuda/attention.cu): the same, except the
   fused branch (self-attention, ``dim_per_head % 8 == 0``, ``need_weights=False``, no mask, and
   ``_fused_sdp_choice`` picking flash or mem-efficient: ``linear`` -> ``chunk`` ->
-  ``scaled_dot_product_attention`` (the CUDA substitute of ``cuda/attention.py``) ->
+  ``scaled_dot_product_attention`` (the CUDA substitute of ``cuda/attention_substitute.py``) ->
   ``transpose(1, 2).reshape`` -> ``linear``) and ``masked_softmax_cuda``'s fallback
   (``softmax(input.masked_fill(mask, -inf))`` beside the discarded ``empty_like`` output when a row
   has more than 1024 elements or more than 4096 bytes, or the mask is not contiguous).
@@ -59,8 +59,8 @@ locals' lifetimes (Python locals freed where the C++ destroys them):
   guard on the batch size: the formula holds on one side of the switch.
 
 Not modelled on CUDA (no GPU was available to measure): the nested path's device metadata and
-nested attention preprocessing (listed in ``cuda/attention.py``'s ``NOT_MODELLED``, so in every
-CUDA report's notes).
+nested attention preprocessing (listed in ``cuda/attention_substitute.py``'s ``NOT_MODELLED``, so
+in every CUDA report's notes).
 """
 
 from __future__ import annotations
@@ -491,13 +491,13 @@ def _cuda_fused(spec, query, embed_dim, num_head, qkv_weight, qkv_bias, proj_wei
     its buffer viewed ``[1, H, n, dh]`` (the nested checks of sdp_utils are not modelled), and its
     fused path priced as ``nested_linear`` (``[n, 3D]``), the attention output (``[n, D]``), the
     ``transpose(1, 2).reshape`` copy and ``nested_linear`` (``[n, D]``): an estimate."""
-    from estimator.corrections.cuda import attention as cuda_attention
+    from estimator.corrections.cuda import attention_backends, attention_substitute
 
     dim_per_head = embed_dim // num_head
     source = query.buffer.unsqueeze(0) if isinstance(query, Nested) else query  # nested: [1, n, D] views
     view = source.view(source.shape[0], -1, num_head, dim_per_head).transpose(1, 2)
-    backend = cuda_attention.select_backend(spec, view, view, view, None, 0.0, False)
-    if backend not in (cuda_attention.Backend.FLASH, cuda_attention.Backend.EFFICIENT):
+    backend = attention_backends.select_backend(spec, view, view, view, None, 0.0, False)
+    if backend not in (attention_backends.Backend.FLASH, attention_backends.Backend.EFFICIENT):
         return None
     if isinstance(query, Nested):
         # nested_linear (buffer [n, 3D]), sdpa on the nested chunks (output [n, D]), the
@@ -513,7 +513,7 @@ def _cuda_fused(spec, query, embed_dim, num_head, qkv_weight, qkv_bias, proj_wei
     x = F.linear(query, qkv_weight, qkv_bias)
     batch = x.shape[0]
     chunks = [c.view(batch, -1, num_head, dim_per_head).transpose(1, 2) for c in x.chunk(3, -1)]
-    y = cuda_attention.scaled_dot_product_attention(spec, F.scaled_dot_product_attention, tuple(chunks), {})
+    y = attention_substitute.scaled_dot_product_attention(spec, F.scaled_dot_product_attention, tuple(chunks), {})
     del chunks, x
     past = y.transpose(1, 2).reshape(batch, -1, embed_dim)
     del y

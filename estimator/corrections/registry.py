@@ -1,7 +1,7 @@
 """Per-op knowledge: memory the fake run does not see, or sees wrongly, per target device.
 
 The capture runs the step on fake CPU tensors.  What the real kernels of a target do
-differently lives here, in one registry, with three kinds of entries:
+differently lives here, in one registry, with seven kinds of entries (and ``@measured``, below):
 
 - ``@correction(op, targets=...)``: a ``Fix`` for one aten op's memory (below);
 - ``@substitute(fn, targets=...)``: a torch function replaced while capturing for a target,

@@ -24,7 +24,7 @@ blocks can drift for many steps before they cycle (BERT-base: 11); the replay al
 the peaks, the reserved bytes and the segments have not changed for ``STABLE`` steps, and says
 so (``Run.repeated`` False).
 
-Where the state comes from is ``Timeline.births`` (``estimator.capture.trace._mark_births``) and
+Where the state comes from is ``Timeline.births`` (``estimator.capture.phases.mark_births``) and
 ``Timeline.marks`` (the ops where each ``optimizer.step()`` starts and the built-in step's model
 call returns).  A timeline without them (a strategy's per-rank step) loads all of its state
 first, in storage order.  A user's step function returns before the next starts: what it

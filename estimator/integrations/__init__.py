@@ -31,7 +31,7 @@ version must match torch's: torch 2.13 -> torchvision 0.28 (``pip install torch=
 'torchvision==0.28.*' timm transformers``; without the pin pip may pick a newer torchvision
 and replace torch). PyPI's Linux torchvision is a CUDA build: next to the CPU build of torch
 its C++ extension cannot load and torchvision 0.28 fails at import; fxmem works around that
-(``_common.ensure_torchvision_importable``: the models are pure Python). Checked with torch
+(``estimator.compat.ensure_torchvision_importable``: the models are pure Python). Checked with torch
 2.13.0+cpu, torchvision 0.28.0, timm 1.0.31, transformers 5.24.0.
 """
 

@@ -7,62 +7,16 @@ import difflib
 import importlib
 import importlib.machinery
 import importlib.util
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from estimator.compat import ensure_torchvision_importable
 from estimator.vocab.errors import InputError
 
 SEED = 0  # samples (and real-device weights) are the same on every call
-
-# Kept alive for the whole process: a torch.library.Library unregisters its ops when collected.
-_TORCHVISION_STUB: torch.library.Library | None = None
-
-# The torchvision ops whose fake kernels torchvision registers unconditionally at import time
-# (torchvision/_meta_registrations.py, 0.28): without their schemas, `import torchvision` fails.
-_TORCHVISION_SCHEMAS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-
-
-def ensure_torchvision_importable() -> None:
-    """Make ``import torchvision`` work when its C++ extension cannot load.
-
-    PyPI's Linux torchvision wheels are CUDA builds: next to the CPU build of torch their
-    ``_C.so`` fails to load (it links ``libtorch_cuda.so``). torchvision then skips its custom
-    ops, except that ``_meta_registrations`` registers fake kernels for ``torchvision::nms`` and
-    ``qnms`` unconditionally and ``import torchvision`` raises ``operator torchvision::nms does
-    not exist``; timm and transformers import torchvision, so they fail too. The models do not
-    need the extension (it holds detection ops and image decoding), so when it cannot load we
-    define the two schemas (no kernel: calling ``torchvision.ops.nms`` still raises
-    torchvision's own "Couldn't load custom C++ ops" error) and torchvision imports.
-    """
-    global _TORCHVISION_STUB
-    if "torchvision" in sys.modules or _TORCHVISION_STUB is not None:
-        return
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    loader = (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
-    for folder in spec.submodule_search_locations:
-        ext = importlib.machinery.FileFinder(folder, loader).find_spec("_C")
-        if ext is None or ext.origin is None:
-            continue
-        try:
-            torch.ops.load_library(ext.origin)  # what torchvision.extension does first
-            return
-        except (ImportError, OSError):
-            break
-    if hasattr(torch.ops.torchvision, "nms"):
-        return
-    _TORCHVISION_STUB = torch.library.Library("torchvision", "DEF")
-    for schema in _TORCHVISION_SCHEMAS:
-        _TORCHVISION_STUB.define(schema)
-
 
 def import_optional(module: str, extra: str) -> Any:
     """``import module`` or an InputError naming the pip extra that installs it."""

@@ -24,7 +24,7 @@ segmentation: ``out`` ``(b, classes, H, W)``; the aux logits of inception/google
 Installing next to the CPU build of torch: PyPI's Linux torchvision wheels are CUDA builds
 whose C++ extension cannot load against a CPU torch, and torchvision 0.28 then fails at
 import (``operator torchvision::nms does not exist``). fxmem defines the two missing op
-schemas before importing it (``_common.ensure_torchvision_importable``); the models are pure
+schemas before importing it (``estimator.compat.ensure_torchvision_importable``); the models are pure
 Python and build. ``pip install torch==2.13.0 'torchvision==0.28.*'`` is the pair for torch 2.13.
 """
 

@@ -61,10 +61,10 @@ def check(request) -> None:
 
 def build(request, formula: Formula, remake: Callable[[nn.Module, Any, Strategy], Any],
           capture: Callable[[Any], Formula]) -> DtypeFormula:
-    """The dtype formula of ``request`` (``estimate._Request``) whose own capture is ``formula``.
+    """The dtype formula of ``request`` (``orchestrate.checked.Checked``) whose own capture is ``formula``.
 
     ``remake(model, sample, strategy)`` checks ``report()``'s other arguments again for a cast
-    copy (``estimate._request``); ``capture(request)`` captures one (``estimate._capture_formula``).
+    copy (``checked.check``); ``capture(request)`` captures one (``estimate.capture_formula``).
     """
     source = model_dtype(request.model)
     notes, captured = [], {}

@@ -5,7 +5,7 @@ concrete captures -- which one held, and the notes that say why it fell back.
 ``compare`` with the same captured step); ``at_batch`` evaluates it at a request's batch (a
 concrete capture there when it lies outside the formula's range) and, for a pipeline, maps it
 to formulas in the pipeline's batch.  Named after ``CapturePath``, the choice it records;
-``estimator.api`` checks the arguments before and assembles the ``Report`` after.
+``orchestrate.checked`` checks the arguments before, ``orchestrate.estimate`` assembles the ``Report`` after.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from torch import nn
 
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
 from estimator.capture import compiled, datadep
-from estimator.capture.trace import StepSpec, capture
+from estimator.capture.records import StepSpec
+from estimator.capture.trace import capture
 from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
 from estimator.reporting.result import CapturePath
 from estimator.ranks.per_rank import RankStep
 from estimator.vocab.symbolic import ZERO, NotPolynomial, Poly
 
-log = logging.getLogger("estimator.api")  # the logger these messages always had
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""CUDA target entries: the kernels other than attention (``attention.py``) and RNNs (``rnn.py``).
+"""CUDA target entries: the kernels other than attention (``attention_*.py``) and RNNs (``rnn.py``).
 
 Sources read (no GPU was available: every number below is derived from the source, not
 measured; ``tests/test_cuda_kernels.py`` checks the arithmetic on tiny modules):

@@ -1,0 +1,89 @@
+"""What a capture is asked and what it returns.
+
+``StepSpec`` is the question: which step to run (mode, optimizer, loss or the user's own step),
+for which target, at which precision and with which strategy.  ``RawCapture`` is the answer: the
+ops, storages and fx graph of one recorded step, bytes already polynomials in ``b``, with where a
+real run's first step makes its state (``RunMarks``) and, for ``mode="generate"``, the model's
+calls and the KV cache (``Decoding``).  ``trace.capture`` takes the one and returns the other;
+``estimator.account`` turns the answer into bytes by category, op by op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from estimator.capture import compiled, datadep
+from estimator.capture import steps as step
+from estimator.capture.tracker import OpEvent, Storage
+from estimator.vocab.categories import Mode
+from estimator.vocab.strategy import DEFAULT, Strategy
+from estimator.vocab.target import TargetSpec
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What step to run: the mode, the optimizer factory (train), the loss function, the
+    target whose kernels and defaults the capture follows, the precision (autocast dtype,
+    GradScaler) and the strategy (gradient accumulation, activation checkpointing)."""
+
+    mode: Mode
+    optimizer: step.OptimizerFactory | None
+    loss_fn: step.LossFn
+    target: TargetSpec = field(default_factory=TargetSpec)
+    precision: step.Precision = step.FP32
+    strategy: Strategy = DEFAULT
+    data_dependent: datadep.Policy = field(default_factory=datadep.Policy)  # sizes fake tensors cannot know
+    batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
+    keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
+    step: step.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
+    compiled: compiled.Compiled | None = None  # the model is torch.compile'd so (None: eager)
+
+
+@dataclass(frozen=True)
+class RunMarks:
+    """Where in the recorded step a real run's first step makes its state (``Born``), by op index:
+    ``optimizer_starts[i]``: the op optimizer ``i``'s ``step()`` starts at (None: not stepped);
+    ``model_returns``: the op the built-in step's model call returns before (there the previous
+    step's ``out = model(x)`` is rebound and freed; None for a user's step, whose step function
+    returns before the next one starts)."""
+
+    optimizer_starts: tuple[int | None, ...] = ()
+    model_returns: int | None = None
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """``mode="generate"``: where each call of the model starts (op indices: the prefill, then one
+    decode step per new token but the last), and the KV cache as the last call leaves it:
+    ``bytes_per_token`` per sequence (keys and values of every layer, at the capture's dtype)
+    and the ``tokens`` it has room for then (a dynamic cache: the tokens it holds; a static
+    one: its length), at the sample's sequence length."""
+
+    calls: tuple[int, ...] = ()
+    bytes_per_token: int = 0
+    tokens: int = 0
+    cache: str = ""  # the cache's class name (DynamicCache, StaticCache, ...)
+
+
+@dataclass
+class RawCapture:
+    """The events of one captured step; bytes already polynomials in ``b``."""
+
+    ops: list[OpEvent]
+    storages: dict[int, Storage]
+    graph: fx.Graph
+    valid_from: int  # the range of b where the capture holds (from the shape guards)
+    valid_to: int | None
+    guards: tuple[str, ...]
+    seq_range: tuple[int, int | None] | None = None  # where the formula holds in s (s symbolic)
+    grad_order: tuple[str, ...] = ()  # parameters in the order AccumulateGrad gave them a gradient
+    # micro-batch byte counts (in the micro-batch's rows b) whose per-row bytes the number of
+    # micro-batches does not divide: their coefficients in the step's b were rounded up
+    rounded: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
+    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
+    freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
+    marks: RunMarks = RunMarks()  # where a run's first step makes its state
+    decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache

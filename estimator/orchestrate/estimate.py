@@ -1,0 +1,269 @@
+"""One report from a checked request: capture (``orchestrate.path``), per rank, on the device, assembled.
+
+``estimate(request)`` is ``estimator.report``: ``checked.check`` first, then the single-device
+step's formulas (``capture_formula``, shared by requests with one ``capture_key``), the step at
+the request's batch (``capture_step``), each rank's step where the strategy spans devices
+(``ranks.per_rank``), the CUDA device's view (``devices.cuda``) and the ``Report``.
+``estimate_each`` does it for several requests (``compare``/``plan``), capturing each distinct
+step once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Mapping
+
+from torch import nn
+
+from estimator.account import CATEGORIES, Timeline
+from estimator.capture import datadep
+from estimator.capture import steps as step
+from estimator.devices import cuda, cudnn
+from estimator.orchestrate import dtype_formula
+from estimator.orchestrate import path as capture_path
+from estimator.orchestrate.checked import Checked, check
+from estimator.orchestrate.path import Captured, Formula
+from estimator.ranks.per_rank import per_rank
+from estimator.reporting.result import Generated, ModuleRow, Piece, RankReport, Report
+from estimator.vocab import gpus
+from estimator.vocab.categories import Category, Mode, Phase
+from estimator.vocab.errors import CaptureError, FxmemError, InputError
+from estimator.vocab.request import Request
+from estimator.vocab.strategy import Strategy
+from estimator.vocab.symbolic import ZERO, Poly, nondominated
+
+
+def estimate(request: Request) -> Report:
+    """The report of ``request`` (``estimator.report``'s arguments as one object)."""
+    checked = check(request)
+    if not isinstance(request.dtype_symbols, bool):
+        raise InputError(f"dtype_symbols must be True or False, got {request.dtype_symbols!r}")
+    if not request.dtype_symbols:
+        return _with_sample_sizes(checked, result(checked, capture_step(checked)))
+    dtype_formula.check(checked)
+    formula = capture_formula(checked)
+
+    def cast(model: nn.Module, sample, strategy: Strategy) -> Checked:  # the same arguments for a cast copy
+        return check(request.replace(model=model, sample=sample, strategy=strategy))
+
+    return dataclasses.replace(result(checked, capture_step(checked, formula)),
+                               dtype_formula=dtype_formula.build(checked, formula, cast, capture_formula))
+
+
+def estimate_each(requests: Mapping[str, Request]) -> dict[str, Report]:
+    """``estimate`` of every request (by label), one capture per distinct captured step
+    (``Checked.capture_key``)."""
+    checked = {label: check(request) for label, request in requests.items()}
+    formulas = {}
+    out = {}
+    for label, request in checked.items():
+        if request.capture_key not in formulas:
+            formulas[request.capture_key] = capture_formula(request)
+        out[label] = result(request, capture_step(request, formulas[request.capture_key]))
+    return out
+
+
+def result(request: Checked, step_: Captured) -> Report:
+    """The report of ``request`` from its captured step: one device's, or every rank's."""
+    spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
+    notes = [*request.notes, *step_.notes]
+    if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
+        ran = {op.op for op in step_.timeline.ops} | {site.op for site in step_.data_dependent}
+        notes += [cuda.not_modelled_note(ran), *gpus.estimated_notes(spec.target.context_bytes),
+                  *cudnn.estimated_notes(step_.at_batch or step_.timeline, step_.graph, spec.target, batch,
+                                         step_.seq, per_device=not strategy.distributed)]
+    if strategy.multiple > 1:
+        notes.append(_batch_note(strategy))
+    if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
+        notes.extend(_kept_output_note(step_.at_batch, batch))
+    common = {
+        "model": type(model).__name__,
+        "mode": spec.mode,
+        "device": spec.target.device.value,
+        "optimizer": request.optimizer_name,
+        "batch": batch,
+        "path": step_.path,
+        "valid_from": step_.valid_from,
+        "valid_to": step_.valid_to,
+        "guards": step_.guards,
+        "graph": step_.graph,
+        "batch_outside_range": step_.outside,
+        "target": spec.target,
+        "seq": step_.seq,
+        "seq_range": step_.seq_range or (2, None),
+        "multiple": strategy.multiple,
+        "strategy": strategy,
+        "data_dependent": step_.data_dependent,
+    }
+    if spec.mode is Mode.GENERATE:
+        prompt = step_.seq if step_.seq is not None else request.sample["input_ids"].shape[-1]
+        common["generation"] = _generated(spec.step, step_.at_batch or step_.timeline, batch, prompt)
+        notes.append(_generated_note(common["generation"], batch))
+    if not strategy.distributed:
+        rep = _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
+        return rep if rep.cuda is None else dataclasses.replace(rep, notes=(*rep.notes, cuda.run_note(rep.cuda)))
+
+    def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
+        return poly(batch, step_.seq) if poly.has_s else poly(batch)
+
+    ranks = per_rank(step_.timeline, model, strategy, spec.target, at)
+    at_batch = per_rank(step_.at_batch, model, strategy, spec.target, at) if step_.separate else ranks
+    per = tuple(
+        RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, step_, {**common, "notes": ()}))
+        for r, a in zip(ranks, at_batch)
+    )
+    worst = max(per, key=lambda r: (r.report.peak_bytes if r.report.cuda is None else r.report.cuda.device))
+    pieces = [p for r in per for p in r.report.pieces]
+    keep = nondominated([p.bytes for p in pieces], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    if worst.report.cuda is not None:
+        notes.append(cuda.run_note(worst.report.cuda))
+    return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
+
+
+def _with_sample_sizes(request: Checked, rep: Report) -> Report:
+    """Under the default bound (``data_dependent='max'``), a report with sizes at their bound also
+    gets the same step at the sample's sizes (``Report.at_sample``): the bound is what "will it
+    fit" needs, the sample's what a run on it allocates.  The sample's sizes need a real forward
+    (real weights) unless the sample's own values fix them; where they cannot be had, a note says
+    why."""
+    policy = request.spec.data_dependent
+    bounded = {datadep.Source.BOUND, datadep.Source.BUDGET}
+    if policy != datadep.Policy() or not any(site.source in bounded for site in rep.data_dependent):
+        return rep
+    sampled = dataclasses.replace(request, spec=dataclasses.replace(request.spec,
+                                                                    data_dependent=datadep.Policy.of("sample")))
+    try:
+        at_sample = result(sampled, capture_step(sampled))
+    except FxmemError as exc:
+        why = f"the data-dependent sizes at the sample's values could not be had: {exc}"
+        return dataclasses.replace(rep, notes=(*rep.notes, why))
+    return dataclasses.replace(rep, at_sample=at_sample)
+
+
+def capture_formula(request: Checked) -> Formula:
+    """The request's single-device step as formulas (``capture.path.formula``: symbolic, ``b`` alone, or
+    concrete fits).  Requests with the same ``capture_key`` share it."""
+    return capture_path.formula(request.model, request.sample, request.capture_spec, request.batch,
+                                request.microbatches, request.seq_dims, request.seq)
+
+
+def capture_step(request: Checked, formula: Formula | None = None) -> Captured:
+    """The captured step of ``request`` (``formula``: its capture, when shared) at the request's
+    batch (``capture.path.at_batch``)."""
+    formula = formula or capture_formula(request)
+    return capture_path.at_batch(request.model, request.sample, request.capture_spec, request.batch,
+                                 request.microbatches, formula)
+
+
+def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: Captured, common: dict) -> Report:
+    """The report of one device's step: the peak's pieces (formulas), the peak at the batch
+    with its breakdown, module rows and, on CUDA, the allocator's view."""
+    target, batch, seq = common["target"], common["batch"], common["seq"]
+    # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
+    fixed = Poly.const(cuda.workspaces_held(timeline, target))
+    candidates = timeline.candidates()
+    keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
+    _, (peak_index, peak_k) = max(at_batch.candidates(), key=lambda c: c[0](batch))
+    formulas = timeline if not step_.separate else at_batch  # in b (and s) where the formula holds
+    live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
+    breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
+    on_device = cuda.predict(at_batch, batch, target) if target.is_cuda else None
+    return Report(
+        **common,
+        peak_bytes=sum(breakdown.values()) if on_device is None else on_device.allocated,
+        pieces=pieces,
+        breakdown=breakdown,
+        breakdown_formula=dict(zip(CATEGORIES, live)),
+        peak_piece=Piece.at(formulas, peak_index, peak_k, fixed),
+        modules=_module_rows(model, at_batch, peak_index),
+        timeline=timeline,
+        cuda=on_device,
+    )
+
+
+def _generated(generation: step.Generation, timeline: Timeline, batch: int, prompt: int) -> Generated:
+    decoding = timeline.decoding
+    if decoding is None or not decoding.calls:
+        raise CaptureError("mode='generate': generate() never called the model")
+    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
+    call = max(bisect.bisect_right(decoding.calls, peak) - 1, 0)
+    return Generated(generation.new_tokens, prompt, decoding.cache or "no cache", decoding.bytes_per_token,
+                     decoding.tokens, call)
+
+
+def _generated_note(generated: Generated, batch: int) -> str:
+    cache = (f"its {generated.cache} holds {generated.kv_bytes_per_token:,} B per token and sequence "
+             f"(keys and values of every layer): {generated.kv_bytes(batch):,} B for {generated.cache_tokens} tokens "
+             f"x {batch} sequences after the last call" if generated.kv_bytes_per_token else
+             "the model returned no KV cache (past_key_values): nothing is counted as one")
+    needed = generated.prompt_tokens + generated.new_tokens - 1  # the last new token's keys are never computed
+    if generated.cache == "StaticCache" and generated.cache_tokens > needed:
+        cache += (f"; it is sized for {generated.cache_tokens} tokens, more than this call needs "
+                  f"({needed}): transformers sizes a static cache for the longest generation the model object has "
+                  "run (its _previous_max_cache_length), as a real call on this model would")
+    return f"generate: the peak is in {generated.where}; {cache}"
+
+
+def _kept_output_note(timeline: Timeline, batch: int) -> list[str]:
+    """The cost of ``keep_output=True``: the forward's tensors alive to the end of the step (the
+    model's output and the loss) at ``batch``, and whether they are part of the peak."""
+    kept = [(nbytes, op) for nbytes, category, op, freed in timeline.storages
+            if category is Category.ACTIVATION and freed is None and op >= 0
+            and timeline.ops[op].phase is Phase.FORWARD]
+    total = sum(nbytes(batch) for nbytes, _ in kept)
+    if not total:
+        return []
+    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
+    at_peak = all(op <= peak for _, op in kept)
+    where = ("part of the peak: a loop that drops the output before backward() (Hugging Face's Trainer, Lightning, "
+             "torchtitan; keep_output=False) peaks up to that much lower" if at_peak else "not part of the peak")
+    return [f"keep_output=True: the model's output and the loss stay alive through backward and the optimizer step "
+            f"(out = model(x); loss = loss_fn(out, y); loss.backward(), as in PyTorch's tutorials and nanoGPT): "
+            f"{total:,} B at b = {batch}, {where}"]
+
+
+def _batch_note(strategy: Strategy) -> str:
+    k = strategy.multiple
+    if strategy.pipeline > 1:
+        return (f"pipeline: {strategy.microbatches} micro-batches of b/{strategy.microbatches} per step; "
+                f"b must be a multiple of {k}")
+    return f"gradient accumulation: {k} micro-batches of b/{k} per optimizer step; b must be a multiple of {k}"
+
+
+def _module_rows(model: nn.Module, timeline: Timeline, peak_index: int) -> tuple[ModuleRow, ...]:
+    alive = {id(s) for s in timeline.alive_at(peak_index)} if peak_index >= 0 else set()
+    activations: dict[str, Poly] = {}
+    at_peak: dict[str, Poly] = {}
+    for s in timeline.storages:
+        nbytes, category, op_index, _ = s
+        if op_index < 0:
+            continue
+        module = timeline.ops[op_index].module
+        if category is Category.ACTIVATION:
+            activations[module] = activations.get(module, ZERO) + nbytes
+        if id(s) in alive:
+            at_peak[module] = at_peak.get(module, ZERO) + nbytes
+
+    def within(table: dict[str, Poly], path: str) -> Poly:
+        total = ZERO
+        for module, value in table.items():
+            if not path or module == path or module.startswith(path + "."):
+                total = total + value
+        return total
+
+    rows = []
+    for path, module in model.named_modules():
+        params = {id(p): p for p in module.parameters()}.values()
+        rows.append(
+            ModuleRow(
+                path=path,
+                type=type(module).__name__,
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                activations=within(activations, path),
+                at_peak=within(at_peak, path),
+            )
+        )
+    return tuple(rows)
