@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from estimator.corrections.patches import patched, patched_all
 from estimator.vocab.errors import InputError
 from estimator.vocab.strategy import COMPILE_MODES
 
@@ -269,14 +270,10 @@ def _load_fake(cls, key, path, linemap=None, attrs=None, *, set_sys_modules=None
     module.__file__ = path
     with open(path) as f:
         code = compile(f.read(), path, "exec")
-    saved = {name: getattr(async_compile.AsyncCompile, name) for name in ("cpp_pybinding", "cpp", "triton")}
-    try:
-        for name in saved:
-            setattr(async_compile.AsyncCompile, name, getattr(_NoKernels, name))
+    no_kernels = [(async_compile.AsyncCompile, name, _NoKernels.__dict__[name]) for name in ("cpp_pybinding", "cpp",
+                                                                                             "triton")]
+    with patched_all(no_kernels):
         exec(code, module.__dict__)
-    finally:
-        for name, fn in saved.items():
-            setattr(async_compile.AsyncCompile, name, fn)
     module.__dict__.update(_RUNTIME)
     for name, value in (attrs or {}).items():
         setattr(module, name, value)
@@ -301,18 +298,15 @@ def fake_runtime(spec: Compiled):
     # autotuning writes its timings to stderr; one compile thread: no worker pool (nothing is compiled)
     quiet = inductor_config.patch(autotune_num_choices_displayed=0, compile_threads=1)
 
-    original = codecache.PyCodeCache.__dict__["load_by_key_path"]
-    codecache.PyCodeCache.load_by_key_path = classmethod(_load_fake)
     _running[0] += 1
     torch._dynamo.reset()  # what Dynamo remembers of earlier frames (sizes seen, graphs) would steer this one
     counters.clear()
     found: dict[str, Any] = {}
     try:
-        with dynamo, quiet:
+        with dynamo, quiet, patched(codecache.PyCodeCache, "load_by_key_path", classmethod(_load_fake)):
             yield found
         found["graphs"] = counters["stats"]["unique_graphs"]
         found["breaks"] = [reason.split("\n")[0] for reason in counters["graph_break"]]
     finally:
         torch._dynamo.reset()  # nothing of the fake copies stays in Dynamo's caches
         _running[0] -= 1
-        codecache.PyCodeCache.load_by_key_path = original

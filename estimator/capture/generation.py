@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from estimator.corrections.patches import patched_all
+
 # (class, the positional names of its int arguments, in order), logits_process.py (transformers 5)
 _INT_CHECKED = {
     "MinLengthLogitsProcessor": ("min_length",),
@@ -34,7 +36,7 @@ def _hint(value):
 def symbolic_lengths():
     """Within it, the int-checked logits processors accept ``SymInt`` lengths (see the module)."""
     module = sys.modules.get("transformers.generation.logits_process")
-    patched = []
+    replacements = []
     for name, fields in _INT_CHECKED.items():
         cls = getattr(module, name, None) if module is not None else None
         if cls is None:
@@ -48,13 +50,9 @@ def symbolic_lengths():
             for field, value in given.items():
                 setattr(self, field, value)  # the symbol itself
 
-        cls.__init__ = init
-        patched.append((cls, original))
-    try:
+        replacements.append((cls, "__init__", init))
+    with patched_all(replacements):
         yield
-    finally:
-        for cls, original in patched:
-            cls.__init__ = original
 
 
 # The width-like fields of transformers configs a narrow stand-in shrinks (the other fields,

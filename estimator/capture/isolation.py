@@ -19,6 +19,7 @@ import warnings
 import torch
 from torch import nn
 
+from estimator.corrections.patches import patched
 from estimator.corrections import custom_ops
 from estimator.vocab.errors import CaptureError, FxmemError, SymbolicCaptureFailed
 
@@ -69,11 +70,8 @@ def conversions_as_for_real():
         except RuntimeError:
             t1.data = t2
 
-    torch.utils.swap_tensors = as_for_real
-    try:
+    with patched(torch.utils, "swap_tensors", as_for_real):
         yield
-    finally:
-        torch.utils.swap_tensors = swap
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from estimator.corrections.patches import patched
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.errors import InputError
 from estimator.capture.checkpointing import checkpointing
@@ -172,12 +173,8 @@ class GradScaler(torch.amp.GradScaler):
 def finite_gradients():
     """Every ``torch.amp.GradScaler`` (a user's own, in ``report(step=)``) assumes finite
     gradients on fake tensors, for the block."""
-    original = torch.amp.GradScaler._maybe_opt_step
-    torch.amp.GradScaler._maybe_opt_step = _finite_gradients(original)
-    try:
+    with patched(torch.amp.GradScaler, "_maybe_opt_step", _finite_gradients(torch.amp.GradScaler._maybe_opt_step)):
         yield
-    finally:
-        torch.amp.GradScaler._maybe_opt_step = original
 
 
 def device_type(model: nn.Module, sample: Any = ()) -> str:

@@ -228,29 +228,11 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
 
     real = real_tensors(micro, symbolic, k)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
-    # A compiled step runs without the torch-function modes (Dynamo would trace into them): the
-    # compiler decomposes what the substitutes stand for, and compiled.notes() says what is lost.
-    substitutions = (
-        Substitutions(spec.target) if corrections.has_substitutes(spec.target.device) and spec.compiled is None
-        else contextlib.nullcontext()
-    )
-    # The fake tensors are CPU tensors, so torch.autocast("cpu") applies the CPU op lists: the
-    # CUDA target's capture runs with CUDA's autocast policies instead (innermost: it casts the
-    # arguments of substituted functions before the substitutes see them).
-    amp_policy = (cuda_autocast.emulate() if spec.target.is_cuda and spec.precision.amp and spec.compiled is None
-                  else contextlib.nullcontext())
-
-    # Not only Strategy(checkpoint=): a model's own checkpointing (transformers'
-    # activation_checkpointing_enable) and user code save the RNG state the same way.
-    rng_states = _fake_rng_state() if not spec.target.is_cuda else contextlib.nullcontext()
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
     dd.shadow_sample(fsample, sample, dims)
     user = spec.step is not None
-    lengths = generation.symbolic_lengths() if spec.mode is Mode.GENERATE else contextlib.nullcontext()
-    runtime = compiled.fake_runtime(spec.compiled) if spec.compiled is not None else contextlib.nullcontext({})
     module_hooks = phases.module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
-    with Watchdog(), isolation.errors_named(symbolic), runtime as regions, mode, dd, substitutions, amp_policy, \
-            rng_states, phases.user_step_context(spec), lengths:
+    with _step_modes(spec, symbolic, mode, dd) as regions:
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
@@ -310,6 +292,36 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding = marks["marks"], decoded.get("decoding")
     return raw
+
+
+@contextlib.contextmanager
+def _step_modes(spec: StepSpec, symbolic: bool, mode: FakeTensorMode, dd: datadep.DataDependent):
+    """What the warm-up and the step run under, outermost first; yields the compiled regions
+    (``compiled.fake_runtime``'s dict; empty for an eager step)."""
+    eager = spec.compiled is None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(Watchdog())  # a step that stops dispatching ops becomes a CaptureError
+        stack.enter_context(isolation.errors_named(symbolic))  # errors name the user's line
+        regions = stack.enter_context(contextlib.nullcontext({}) if eager else compiled.fake_runtime(spec.compiled))
+        stack.enter_context(mode)
+        stack.enter_context(dd)  # data-dependent sizes and values, by the policy
+        # A compiled step runs without the torch-function modes (Dynamo would trace into them): the
+        # compiler decomposes what the substitutes stand for, and compiled.notes() says what is lost.
+        if eager and corrections.has_substitutes(spec.target.device):
+            stack.enter_context(Substitutions(spec.target))
+        # The fake tensors are CPU tensors, so torch.autocast("cpu") applies the CPU op lists: the
+        # CUDA target's capture runs with CUDA's autocast policies instead (innermost: it casts the
+        # arguments of substituted functions before the substitutes see them).
+        if eager and spec.target.is_cuda and spec.precision.amp:
+            stack.enter_context(cuda_autocast.emulate())
+        # Not only Strategy(checkpoint=): a model's own checkpointing (transformers'
+        # activation_checkpointing_enable) and user code save the RNG state the same way.
+        if not spec.target.is_cuda:
+            stack.enter_context(_fake_rng_state())
+        stack.enter_context(phases.user_step_context(spec))
+        if spec.mode is Mode.GENERATE:
+            stack.enter_context(generation.symbolic_lengths())
+        yield regions
 
 
 def _price_host_kernels(tracker: Tracker, shape_env: ShapeEnv | None, batch: set, micro: int) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from estimator.corrections.patches import patched_all
 from estimator.capture import datadep
 from estimator.corrections.data_sizes import active
 
@@ -81,14 +82,9 @@ _TENSOR_NUMPY = torch.Tensor.numpy
 def as_for_real():
     """Answer the tensor checks of torch and of the libraries already imported as for real
     tensors (above)."""
-    patched = [(torch.Tensor, "__format__", _TENSOR_FORMAT), (torch.Tensor, "numpy", _TENSOR_NUMPY)]
-    torch.Tensor.__format__, torch.Tensor.numpy = _format, _numpy
+    replacements = [(torch.Tensor, "__format__", _format), (torch.Tensor, "numpy", _numpy)]
     utils = sys.modules.get("transformers.utils.import_utils")
     if utils is not None and hasattr(utils, "is_fake_tensor"):
-        patched.append((utils, "is_fake_tensor", utils.is_fake_tensor))
-        utils.is_fake_tensor = _is_fake_tensor
-    try:
+        replacements.append((utils, "is_fake_tensor", _is_fake_tensor))
+    with patched_all(replacements):
         yield
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)

@@ -26,6 +26,7 @@ from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
+from estimator.corrections.patches import patched
 from estimator.corrections.registry import fast_path_checks_enter, fast_path_checks_exit, substitution
 
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
@@ -92,10 +93,5 @@ def run_inside(spec, func, args, kwargs):
     is dispatched to the mode, which calls it with the mode popped: the functions it calls would
     then run unsubstituted.  Here its body runs with a mode pushed again and its own re-dispatch
     check off (``F.has_torch_function``, the name such functions look up in their module)."""
-    original = F.has_torch_function
-    F.has_torch_function = _no_torch_function
-    try:
-        with Substitutions(spec):
-            return func(*args, **kwargs)
-    finally:
-        F.has_torch_function = original
+    with patched(F, "has_torch_function", _no_torch_function), Substitutions(spec):
+        return func(*args, **kwargs)

@@ -53,6 +53,7 @@ comparison would add a shape guard).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable
@@ -65,6 +66,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _foreach_utils
 
+from estimator.corrections.patches import patched_all
 from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
@@ -194,6 +196,7 @@ def fake_kernel(*ops, targets: Iterable[Target]) -> Callable:
 _FAST_PATHS: dict[Target, set] = {}  # target -> code objects of the registered functions
 _REFUSALS: dict[Target, list[Callable[[], bool]]] = {}  # target -> "the real run refuses" predicates
 _CHECKS: list[Target] = []  # the targets of the capture modes entered (innermost last)
+_CHECK_PATCHES = contextlib.ExitStack()  # the checks' replacements, from the first entry to the last exit
 _HAS_TORCH_FUNCTION = torch.overrides.has_torch_function
 _DISABLED = torch._C._disabled_torch_function_impl
 
@@ -289,19 +292,14 @@ def _has_foreach_support(tensors, device) -> bool:
     return _HAS_FOREACH_SUPPORT(tensors, device)
 
 
-def _bind_foreach_checks(fn) -> None:
-    for module in _FOREACH_MODULES:
-        module[_FOREACH_NAME] = fn
-
-
 def fast_path_checks_enter(target: Target) -> None:
     """Called by the capture's substitution mode when it is entered (``mode.Substitutions``):
     from the first entry to the matching exit, ``torch.overrides.has_torch_function`` is
     ``_has_torch_function`` and the foreach checks of ``foreach_support``'s functions are
     ``_has_foreach_support``.  Outside a capture both stay torch's own functions."""
     if not _CHECKS:
-        torch.overrides.has_torch_function = _has_torch_function
-        _bind_foreach_checks(_has_foreach_support)
+        _CHECK_PATCHES.enter_context(patched_all([(torch.overrides, "has_torch_function", _has_torch_function)] + [
+            (module, _FOREACH_NAME, _has_foreach_support) for module in _FOREACH_MODULES]))
     _CHECKS.append(Target(target))
 
 
@@ -309,8 +307,7 @@ def fast_path_checks_exit() -> None:
     if _CHECKS:
         _CHECKS.pop()
     if not _CHECKS:
-        torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
-        _bind_foreach_checks(_HAS_FOREACH_SUPPORT)
+        _CHECK_PATCHES.close()
 
 
 def withdraw(op, targets: Iterable[Target]) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.compat import ensure_torchvision_importable
+from estimator.corrections.patches import patched
 from estimator.vocab.errors import InputError
 
 SEED = 0  # samples (and real-device weights) are the same on every call
@@ -94,18 +95,13 @@ def building_on(device: torch.device):
     call). Any download through ``torch.hub`` (pretrained backbones) is an InputError."""
     import torch.hub
 
-    saved = torch.hub.download_url_to_file
-    torch.hub.download_url_to_file = _no_download
-    try:
-        with torch.device(device):
-            if device.type == "meta":
+    with patched(torch.hub, "download_url_to_file", _no_download), torch.device(device):
+        if device.type == "meta":
+            yield
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(SEED)
                 yield
-            else:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(SEED)
-                    yield
-    finally:
-        torch.hub.download_url_to_file = saved
 
 
 def generator() -> torch.Generator:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from estimator.corrections.patches import patched
 from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
 
@@ -386,11 +387,10 @@ def emulate():
             for name, policy in policies.items():
                 lib.impl(name, _kernel(name, policy, overload(name), cache), "AutocastCPU",
                          with_keyset=policy == FALLTHROUGH)
-        torch.clear_autocast_cache = clear_autocast_cache
-        with _CastBeforeSubstitutes(_substituted(policies), cache):
+        with patched(torch, "clear_autocast_cache", clear_autocast_cache), \
+                _CastBeforeSubstitutes(_substituted(policies), cache):
             yield cache
     finally:
-        torch.clear_autocast_cache = original_clear
         cache.casts.clear()
         lib._destroy()
 
