@@ -20,7 +20,7 @@ from torch import nn
 
 import estimator
 from estimator import Category
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.account import account
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
@@ -64,9 +64,9 @@ class Conv(nn.Module):
         return self.l(torch.relu(self.c(x)).flatten(1))
 
 
-def _raw(model, x, target, amp="fp16", mode=Mode.INFERENCE, optimizer="sgd", loss_fn=step.default_loss):
-    factory = step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None
-    spec = StepSpec(mode, factory, loss_fn, target, step.Precision.of(amp, None, mode))
+def _raw(model, x, target, amp="fp16", mode=Mode.INFERENCE, optimizer="sgd", loss_fn=steps.default_loss):
+    factory = steps.optimizer_factory(optimizer) if mode is Mode.TRAIN else None
+    spec = StepSpec(mode, factory, loss_fn, target, steps.Precision.of(amp, None, mode))
     return capture(model, x, spec, x.shape[0], symbolic=False)
 
 
@@ -304,8 +304,8 @@ def test_bad_precision_arguments():
 
 
 def test_amp_inference_has_no_scaler_and_defaults():
-    assert step.Precision.of("fp16", None, Mode.TRAIN) == step.Precision("fp16", True)
-    assert step.Precision.of("bf16", None, Mode.TRAIN) == step.Precision("bf16", False)
-    assert step.Precision.of("fp16", None, Mode.INFERENCE) == step.Precision("fp16", False)
+    assert steps.Precision.of("fp16", None, Mode.TRAIN) == steps.Precision("fp16", True)
+    assert steps.Precision.of("bf16", None, Mode.TRAIN) == steps.Precision("bf16", False)
+    assert steps.Precision.of("fp16", None, Mode.INFERENCE) == steps.Precision("fp16", False)
     rep = estimator.report(nn.Linear(16, 4), torch.randn(2, 16), mode="inference", amp="fp16", device="cpu")
     assert rep.breakdown[Category.OPTIMIZER_STATE] == 0

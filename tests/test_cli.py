@@ -458,12 +458,12 @@ def test_model_spec_errors(folder, spec, kwargs, message):
 
 
 def test_model_spec_parsing():
-    assert models.parse("gpt") == models.Spec("zoo", "gpt")
-    assert models.parse("a/b.py:make") == models.Spec("file", "a/b.py", "make")
-    assert models.parse("pkg.mod:make") == models.Spec("module", "pkg.mod", "make")
-    assert models.parse("timm:resnet50") == models.Spec("integration", "timm", "resnet50")
-    assert models.parse("transformers:./configs/a:b") == models.Spec("integration", "transformers", "./configs/a:b")
-    assert models.parse("C:/models/x.py:make") == models.Spec("file", "C:/models/x.py", "make")
+    assert models.parse("gpt") == models.ModelArgument("zoo", "gpt")
+    assert models.parse("a/b.py:make") == models.ModelArgument("file", "a/b.py", "make")
+    assert models.parse("pkg.mod:make") == models.ModelArgument("module", "pkg.mod", "make")
+    assert models.parse("timm:resnet50") == models.ModelArgument("integration", "timm", "resnet50")
+    assert models.parse("transformers:./configs/a:b") == models.ModelArgument("integration", "transformers", "./configs/a:b")
+    assert models.parse("C:/models/x.py:make") == models.ModelArgument("file", "C:/models/x.py", "make")
 
 
 # --- the user's own step (--step, --optimizer FILE.py:FUNC) and --keep-output/--drop-output -----

@@ -6,7 +6,7 @@ measured under ``validators.cpu.threads(1)``; and the capture runs the clipping 
 runs (``_foreach_norm`` where real gradients take the foreach branch: ``corrections/clip.py``).
 CUDA target (no GPU: arithmetic from ForeachReduceOp.cu, shown in the comments): the per-chunk
 buffer of ``_foreach_norm``, and the gradients kept by ``zero_grad(set_to_none=False)`` as state
-before the step.
+before the steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.account import allocation_events
 from estimator.vocab.categories import Category, Mode
 from validators.cpu import measure_user_step, threads
@@ -85,7 +85,7 @@ def _top_level_aten(prof) -> list[str]:
 
 def _real_ops(model, sample, fn, optimizer) -> Counter:
     """The watched aten ops of the second real step (the first one builds the steady state)."""
-    state = step.user_state(model, Mode.TRAIN, step.state_factory(optimizer))
+    state = steps.user_state(model, Mode.TRAIN, steps.state_factory(optimizer))
     fn(model, sample, state)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn(model, sample, state)

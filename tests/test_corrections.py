@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.account import account
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
@@ -108,7 +108,7 @@ def test_lstm_model_against_measurement(mode):
     # checks the capture at the measured batch size itself: max over every candidate peak.
     torch.manual_seed(0)
     model, x = _TinyLSTM(), torch.randn(4, 8, 16)
-    spec = StepSpec(Mode(mode), step.optimizer_factory("adamw") if mode == "train" else None, _mse)
+    spec = StepSpec(Mode(mode), steps.optimizer_factory("adamw") if mode == "train" else None, _mse)
     timeline = account(capture(model, x, spec, 4, symbolic=False))
     predicted = max(p(4) for op in timeline.ops for p in op.peaks())
     meas = measure_cpu(model, x, mode, "adamw", _mse)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from estimator import corrections
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
 from estimator.vocab.categories import Category, Mode, Target
@@ -189,7 +189,7 @@ class Attn(nn.Module):
 
 
 def run(model, x, target: TargetSpec, mode=Mode.TRAIN, batch=4, symbolic=False):
-    spec = StepSpec(mode, step.optimizer_factory("sgd") if mode is Mode.TRAIN else None, step.default_loss, target)
+    spec = StepSpec(mode, steps.optimizer_factory("sgd") if mode is Mode.TRAIN else None, steps.default_loss, target)
     return capture(model, x, spec, batch=batch, symbolic=symbolic)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from estimator import corrections
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
 from estimator.vocab.categories import Mode, Phase, Target
@@ -24,9 +24,9 @@ CPU = TargetSpec()
 CUDA = TargetSpec(Target.CUDA, resolve_gpu("H100"))
 
 
-def _ops(model, sample, target, mode=Mode.TRAIN, loss=step.default_loss):
+def _ops(model, sample, target, mode=Mode.TRAIN, loss=steps.default_loss):
     """[(op name, phase, [allocated bytes], [scratch bytes])] of one concrete capture."""
-    optimizer = step.optimizer_factory("sgd") if mode is Mode.TRAIN else None
+    optimizer = steps.optimizer_factory("sgd") if mode is Mode.TRAIN else None
     raw = capture(model, sample, StepSpec(mode, optimizer, loss, target), batch=sample.shape[0], symbolic=False)
     return [
         (op.name, op.phase, [raw.storages[k].nbytes(0) for k in op.allocs], [s(0) for s in op.scratch])
@@ -145,7 +145,7 @@ def test_layer_norm_backward_partial_sums_above_64k_rows():
 def test_branches_on_the_batch_become_shape_guards():
     # symbolic batch: M = b rows > 65536 (LayerNorm backward) and n = 10 b <= 3072 (embedding
     # backward) are comparisons on the batch symbol: the capture's valid range records them
-    spec = StepSpec(Mode.TRAIN, step.optimizer_factory("sgd"), step.default_loss, CUDA)
+    spec = StepSpec(Mode.TRAIN, steps.optimizer_factory("sgd"), steps.default_loss, CUDA)
     raw = capture(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)), torch.randn(4, 8), spec, 4, symbolic=True)
     assert raw.guards == ("b <= 65536",) and raw.valid_to == 65536
     raw = capture(nn.Embedding(100, 16), torch.randint(0, 100, (4, 10)), spec, 4, symbolic=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.account import account
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
@@ -27,7 +27,7 @@ WS_A100 = 8_519_680  # 4096 * 1024 * 2 + 16 * 1024 * 8 elsewhere
 
 
 def _timeline(model, sample, optimizer, target: TargetSpec, mode=Mode.TRAIN):
-    spec = StepSpec(mode, step.optimizer_factory(optimizer), step.default_loss, target)
+    spec = StepSpec(mode, steps.optimizer_factory(optimizer), steps.default_loss, target)
     return account(capture(model, sample, spec, sample.shape[0], symbolic=False))
 
 
@@ -54,7 +54,7 @@ def test_cuda_adamw_is_foreach_and_its_step_counters_stay_on_the_host():
 def test_an_explicit_foreach_false_is_respected():
     model, x = nn.Linear(64, 32), torch.randn(4, 64)
     factory = lambda params: torch.optim.AdamW(params, foreach=False)
-    spec = StepSpec(Mode.TRAIN, factory, step.default_loss, TargetSpec(Target.CUDA, H100))
+    spec = StepSpec(Mode.TRAIN, factory, steps.default_loss, TargetSpec(Target.CUDA, H100))
     timeline = account(capture(model, x, spec, 4, symbolic=False))
     assert max(_optimizer_allocations(timeline)) == 64 * 32 * 4  # the weight's sqrt alone
 

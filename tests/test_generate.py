@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import estimator
 from estimator import Category
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.cli import cli
 from estimator.vocab.errors import CaptureError, InputError
 
@@ -94,7 +94,7 @@ def test_static_cache_remembers_a_longer_generation():
     """transformers sizes a StaticCache for the longest generation the model object has run
     (``_previous_max_cache_length``): fxmem's copy of the model carries it, and says so."""
     model = gen.make_model("gpt2")
-    measure_user_step(model, gen.make_sample(2, 16), step.Generation(8, "static"), None, "generate")
+    measure_user_step(model, gen.make_sample(2, 16), steps.Generation(8, "static"), None, "generate")
     rep = estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3,
                            cache_implementation="static", device="cpu")
     assert rep.generation.cache_tokens == 16 + 8 - 1  # not 8 + 3 - 1: the earlier, longer call's
@@ -207,5 +207,5 @@ def test_generate_at_batch_one_matches_the_measured_call(family):
 
     sample = gen.make_sample(1, 8)
     rep = estimator.report(make(), sample, mode="generate", new_tokens=4, device="cpu")
-    measured = measure_user_step(make(), sample, step.Generation(4, None), None, "generate")
+    measured = measure_user_step(make(), sample, steps.Generation(4, None), None, "generate")
     assert rep.peak_bytes == measured.peak_bytes

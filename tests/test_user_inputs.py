@@ -16,7 +16,7 @@ from torch import nn
 
 import estimator
 from estimator import CaptureError, InputError
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.cli import cli
 from estimator.cli.options import batch_dims
 from estimator.vocab.categories import Category
@@ -57,7 +57,7 @@ def test_tensors_held_outside_parameters_and_module_constants(mode):
     rep = estimator.report(model, x, mode=mode, device="cpu")
     measured = measure_cpu(model, x, mode=mode)
     # The measurement's baseline counts the model's state (the held tensors are buffers there
-    # too: step.state_tensors) but not OFFSET, which lives outside the model: 64 B more.
+    # too: steps.state_tensors) but not OFFSET, which lives outside the model: 64 B more.
     assert rep.peak_bytes == measured.peak_bytes + OFFSET.numel() * 4
     # Buffers at the peak: shifts 64 + biases 16 + helper.scale 64 + OFFSET 64 = 208 B.
     assert rep.breakdown[Category.BUFFER] == 208
@@ -169,10 +169,10 @@ def test_batch_dims_split_by_gradient_accumulation(monkeypatch):
     strategy = estimator.Strategy(accumulate=2)
     rep = estimator.report(layer, x, batch_dims=1, strategy=strategy, device="cpu")
     assert rep.batch == 4 and rep.path is estimator.CapturePath.SYMBOLIC
-    run = step.run
+    run = steps.run
     monkeypatch.setattr(step, "run", lambda *a, **k: run(*a, **k, batch_dims=(1,)))
     assert rep.peak_bytes == measure_cpu(layer, x, strategy=strategy).peak_bytes
-    halves = step.micro_batches(x, 2, (1,))
+    halves = steps.micro_batches(x, 2, (1,))
     assert [tuple(h.shape) for h in halves] == [(10, 2, 16)] * 2
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from validators.cpu import measure_cpu, measure_user_step
 
 transformers = pytest.importorskip("transformers")
@@ -49,5 +49,5 @@ def test_a_probe_installs_nothing_on_a_fresh_model():
 @pytest.mark.parametrize("b", [1, 2])
 def test_llava_generate(b):
     rep = estimator.report(_make().eval(), _sample(b, labels=False), mode="generate", new_tokens=3, device="cpu")
-    measured = measure_user_step(_make().eval(), _sample(b, labels=False), step.Generation(3, None), None, "generate")
+    measured = measure_user_step(_make().eval(), _sample(b, labels=False), steps.Generation(3, None), None, "generate")
     assert rep.peak_bytes == measured.peak_bytes

@@ -3,7 +3,7 @@
 ``torch.profiler.profile(profile_memory=True)`` records every allocation and free of the CPU
 allocator, kernel-internal scratch included.  Peak = bytes alive when the step starts (the
 storages of parameters, buffers, inputs and optimizer state) + the largest running sum of
-the allocation deltas during the step.
+the allocation deltas during the steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.vocab.categories import Mode
 from estimator.capture.checkpointing import checkpointing
 from validators import steady
@@ -46,7 +46,7 @@ def threads(n: int):
 
 def baseline_bytes(model, optimizer, sample, scaler=None) -> int:
     storages: dict[int, int] = {}
-    for tensors in step.state_tensors(model, optimizer, sample, scaler).values():
+    for tensors in steps.state_tensors(model, optimizer, sample, scaler).values():
         for t in tensors.values():
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
@@ -71,8 +71,8 @@ def measure_cpu(
     model: torch.nn.Module,
     sample: Any,
     mode: Mode | str = Mode.TRAIN,
-    optimizer: str | step.OptimizerFactory | None = "adamw",
-    loss_fn: step.LossFn | None = None,
+    optimizer: str | steps.OptimizerFactory | None = "adamw",
+    loss_fn: steps.LossFn | None = None,
     amp: str | None = None,
     grad_scaler: bool | None = None,
     strategy=None,
@@ -90,10 +90,10 @@ def measure_cpu(
     step (``validators.zoo`` reads the data-dependent sizes of the measured step there).
     ``keep_output``: as in ``estimator.report``.
     """
-    strategy = strategy or step.DEFAULT
+    strategy = strategy or steps.DEFAULT
     if strategy.master_weights:
-        optimizer = step.master_weights(step.optimizer_factory(optimizer))
-    precision = step.Precision.of(amp or strategy.amp, strategy.grad_scaler if grad_scaler is None else grad_scaler,
+        optimizer = steps.master_weights(steps.optimizer_factory(optimizer))
+    precision = steps.Precision.of(amp or strategy.amp, strategy.grad_scaler if grad_scaler is None else grad_scaler,
                                   Mode(mode))
     mode, opt, loss_fn, scaler = warm_up(model, sample, mode, optimizer, loss_fn, precision, strategy)
     if before is not None:
@@ -101,7 +101,7 @@ def measure_cpu(
     baseline = baseline_bytes(model, opt, sample, scaler)
     scale = None if scaler is None else scaler.get_scale()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy,
+        result = steps.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy,
                           keep_output=keep_output)
     del result
     if skipped(scaler, scale, opt):
@@ -121,13 +121,13 @@ def _measurement(baseline: int, deltas: list[tuple[int, int]]) -> Measurement:
 def measure_user_step(
     model: torch.nn.Module,
     sample: Any,
-    fn: step.StepFn,
-    optimizer: str | step.StateFactory | None = "adamw",
+    fn: steps.StepFn,
+    optimizer: str | steps.StateFactory | None = "adamw",
     mode: Mode | str = Mode.TRAIN,
     strategy=None,
 ) -> Measurement:
     """A user's own step (``report(step=fn)``) measured: the state built from the model
-    (``step.state_factory(optimizer)``), one unmeasured step, then the measured one.
+    (``steps.state_factory(optimizer)``), one unmeasured step, then the measured one.
 
     The bytes alive when the measured step starts are measured too, not listed: the model's
     parameters, buffers and held tensors and the sample, plus the net allocator delta of building
@@ -136,12 +136,12 @@ def measure_user_step(
     ``GradScaler`` of the state that skipped ``optimizer.step()`` in either step raises (as
     ``measure_cpu``): the estimate assumes finite gradients."""
     mode = Mode(mode)
-    strategy = strategy or step.DEFAULT
-    factory = step.state_factory(optimizer) if mode is Mode.TRAIN else None
+    strategy = strategy or steps.DEFAULT
+    factory = steps.state_factory(optimizer) if mode is Mode.TRAIN else None
     before = baseline_bytes(model, None, sample)
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as setup:
-        state = step.user_state(model, mode, factory)
+        state = steps.user_state(model, mode, factory)
         scalers, scales = steady.scales(state)
         with checkpointing(model, strategy):
             result = fn(model, sample, state)

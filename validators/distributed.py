@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.vocab.categories import Mode
 from validators import cpu
 
@@ -94,7 +94,7 @@ class RankMeasurement:
     peak_bytes: int  # baseline_bytes + peak_delta
     baseline_bytes: int  # alive when the measured step starts: state + wrapper
     peak_delta: int  # largest rise of the allocator's all-thread total during the measured step
-    state_bytes: dict[str, int] = field(default_factory=dict)  # category -> bytes of step.state_tensors
+    state_bytes: dict[str, int] = field(default_factory=dict)  # category -> bytes of steps.state_tensors
     wrapper_bytes: int = 0  # baseline_bytes - sum(state_bytes): DDP buckets, pipeline buffers, ...
     events: int = 0  # allocator events in the measured step
     profiled_peak_delta: int = 0  # validators.cpu's running sum of the recorded deltas
@@ -248,11 +248,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state_bytes(model, opt, sample) -> dict[str, int]:
-    """Bytes by category of ``step.state_tensors`` (DTensors as their local shard; each
+    """Bytes by category of ``steps.state_tensors`` (DTensors as their local shard; each
     storage counted once, in its first category)."""
     seen: set[int] = set()
     by_category: dict[str, int] = {}
-    for category, tensors in step.state_tensors(model, opt, sample).items():
+    for category, tensors in steps.state_tensors(model, opt, sample).items():
         total = 0
         for t in tensors.values():
             storage = _local(t).untyped_storage()
@@ -331,14 +331,14 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
 
     torch.manual_seed(0)
     model, sample_fn, loss_fn = build()
-    loss_fn = loss_fn or step.default_loss
-    factory = step.optimizer_factory(optimizer)
+    loss_fn = loss_fn or steps.default_loss
+    factory = steps.optimizer_factory(optimizer)
     options = dict(options)
-    single = options.pop("step", None) or step.DEFAULT  # accumulation, checkpointing, autocast in each rank
-    precision = step.Precision.of(single.amp, single.grad_scaler, Mode.TRAIN)
+    single = options.pop("step", None) or steps.DEFAULT  # accumulation, checkpointing, autocast in each rank
+    precision = steps.Precision.of(single.amp, single.grad_scaler, Mode.TRAIN)
 
     if strategy.startswith("pipeline"):
-        if single != step.DEFAULT:
+        if single != steps.DEFAULT:
             raise ValueError(f"{strategy}: the step= option is not supported for pipelines")
         model, role, run, state_model, sample, local_batch, opt = _pipeline(
             rank, world, strategy, model, sample_fn, loss_fn, batch, factory, options
@@ -369,11 +369,11 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
             role = f"shard {rank}/{world}"
         elif options:
             raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(options)}")
-        opt, scaler = step.prepare(model, Mode.TRAIN, factory, precision)
+        opt, scaler = steps.prepare(model, Mode.TRAIN, factory, precision)
         state_model = model
 
         def run():
-            return step.run(model, sample, Mode.TRAIN, opt, loss_fn, precision=precision, scaler=scaler,
+            return steps.run(model, sample, Mode.TRAIN, opt, loss_fn, precision=precision, scaler=scaler,
                             strategy=single)
 
     for _ in range(warmup):
@@ -474,7 +474,7 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
         return loss_fn(output, (None, target_mb))
 
     schedule = schedule_cls(stage, n_microbatches=microbatches, loss_fn=stage_loss)
-    opt, _ = step.prepare(submod, Mode.TRAIN, factory)
+    opt, _ = steps.prepare(submod, Mode.TRAIN, factory)
 
     if checkpoint is not None:
         from estimator.vocab.strategy import Strategy

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.integrations._common import import_optional
 from validators.cpu import measure_user_step
 from validators.strategies import kept_section, write_section
@@ -92,7 +92,7 @@ def run_case(name: str, cache: str | None, s: int, n: int, batches=BATCHES, devi
                            cache_implementation=cache, device=device)
     rows = []
     for b in batches:
-        measured = measure_user_step(make_model(name), make_sample(b, s), step.Generation(n, cache), None, "generate")
+        measured = measure_user_step(make_model(name), make_sample(b, s), steps.Generation(n, cache), None, "generate")
         rows.append(Row(name, cache or "dynamic", s, n, b, rep.at(b), measured.peak_bytes, rep.generation.where,
                         rep.generation.kv_bytes_per_token))
     return rows
@@ -117,7 +117,7 @@ def to_markdown(found: list[Row], command: str) -> str:
          "for 4 query heads; Mixtral: 4 experts, top-2), with the default dynamic cache and "
          "`cache_implementation=\"static\"`. One report per model, cache and (s, n), evaluated at each b; measured "
          "by `validators.cpu.measure_user_step` running the same call (one unmeasured call, then the measured one). "
-         "\"peak in\" is where the predicted peak is: the prefill or a decode step."),
+         "\"peak in\" is where the predicted peak is: the prefill or a decode steps."),
         "",
         f"Reproduce: `{command}`",
         "",

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import steps as step
+from estimator.capture import steps
 from validators.cpu import measure_cpu, measure_user_step
 from validators.steps import Row
 
@@ -363,7 +363,7 @@ CASES: dict[str, Case] = {
 def run_case(name: str, batch: int) -> Row:
     case = CASES[name]
     if case.generate:
-        generation = step.Generation(case.generate, None)
+        generation = steps.Generation(case.generate, None)
         rep = estimator.report(case.make_model(), case.make_sample(batch), mode="generate", new_tokens=case.generate,
                                device="cpu")
         measured = measure_user_step(case.make_model(), case.make_sample(batch), generation, None, "generate")

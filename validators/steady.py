@@ -1,4 +1,4 @@
-"""The steady state every measurement starts from: prepared model, one unmeasured step."""
+"""The steady state every measurement starts from: prepared model, one unmeasured steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.vocab.categories import Mode
 
 # GradScaler: warm-up steps allowed to find inf/nan gradients (each halves the scale) before
@@ -15,22 +15,22 @@ from estimator.vocab.categories import Mode
 MAX_SKIPPED_STEPS = 32
 
 
-def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn, precision=step.FP32,
+def warm_up(model: torch.nn.Module, sample: Any, mode: Mode | str, optimizer, loss_fn, precision=steps.FP32,
             strategy=None):
     """Put ``model`` in ``mode``, build its optimizer (and ``GradScaler``) and run one unmeasured
     step (optimizer and scaler state are created lazily).  Returns ``(mode, optimizer, loss_fn,
-    scaler)`` for the measured step.
+    scaler)`` for the measured steps.
 
     With a ``GradScaler``, a warm-up step whose gradients overflowed is skipped by the scaler
     (no optimizer state yet): the warm-up repeats until a step is taken.  ``strategy``
     (``estimator.vocab.strategy.Strategy``): the step's accumulation and checkpointing."""
     mode = Mode(mode)
-    strategy = strategy or step.DEFAULT
-    opt, scaler = step.prepare(model, mode, step.optimizer_factory(optimizer) if mode is Mode.TRAIN else None, precision)
-    loss_fn = loss_fn or step.default_loss
+    strategy = strategy or steps.DEFAULT
+    opt, scaler = steps.prepare(model, mode, steps.optimizer_factory(optimizer) if mode is Mode.TRAIN else None, precision)
+    loss_fn = loss_fn or steps.default_loss
     for _ in range(MAX_SKIPPED_STEPS):
         before = None if scaler is None else scaler.get_scale()  # the initial scale before the first step
-        result = step.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy)
+        result = steps.run(model, sample, mode, opt, loss_fn, precision=precision, scaler=scaler, strategy=strategy)
         del result
         if not skipped(scaler, before, opt):
             break
@@ -47,8 +47,8 @@ def skipped(scaler, scale_before: float | None, optimizer) -> bool:
 
 
 def scales(state) -> tuple[list[torch.amp.GradScaler], list[float]]:
-    """The ``GradScaler``s of a user step's state (``step.instances_in``) and their scales now."""
-    scalers = step.instances_in(state, torch.amp.GradScaler)
+    """The ``GradScaler``s of a user step's state (``steps.instances_in``) and their scales now."""
+    scalers = steps.instances_in(state, torch.amp.GradScaler)
     return scalers, [scaler.get_scale() for scaler in scalers]
 
 

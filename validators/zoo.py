@@ -10,7 +10,7 @@ import torch
 
 import estimator
 import models_zoo
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture import datadep
 from estimator.vocab.categories import Mode
 from estimator.corrections.cpu import host as cpu
@@ -56,8 +56,8 @@ def compare(name: str, size: str, mode: str, batch: int, dtype: str = "fp32") ->
 
     def read_sizes(model, mode_):
         def forward():
-            out = step.call_model(model, sample)
-            return (loss_fn or step.default_loss)(out, sample) if mode_ is Mode.TRAIN else out
+            out = steps.call_model(model, sample)
+            return (loss_fn or steps.default_loss)(out, sample) if mode_ is Mode.TRAIN else out
 
         sizes.update({site: n for site, (n, _) in datadep.probe(model, sample, forward).sizes.items()})
 

@@ -1,7 +1,7 @@
 """Fake copies of the user's model and sample: same shapes, dtypes and aliasing, no data.
 
 The model is deep-copied with every parameter, buffer and tensor it holds (plain attributes,
-lists and dicts of tensors, tensors on helper objects: ``step.held_tensors``) replaced by a
+lists and dicts of tensors, tensors on helper objects: ``steps.held_tensors``) replaced by a
 fake CPU tensor (the user's model is not touched, and nothing of model size is allocated;
 models built on the ``meta`` device work the same way).  The batch dimension of every sample
 tensor (dim 0 unless ``batch_dims`` says otherwise) becomes the one symbol of the batch size,
@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicC
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.vocab.categories import Category
 from estimator.capture import compiled, watchdog
 from estimator.vocab.errors import CaptureError, InputError
@@ -96,7 +96,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
     and whose hooks are the user's hooks, copied (``_isolate_hooks``).  ``memo`` (filled): the
     user's objects by id -> their copies (for ``isolated``)."""
     memo = {} if memo is None else memo
-    state = step.state_tensors(model, None, ())
+    state = steps.state_tensors(model, None, ())
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
             if isinstance(value, nn.parameter.UninitializedTensorMixin):
@@ -125,7 +125,7 @@ def _state_name(state, value) -> str:
 
 def held_note(model: nn.Module) -> tuple[str, ...]:
     """The report's note on the tensors ``model`` holds besides parameters and buffers."""
-    held = step.held_tensors(model)
+    held = steps.held_tensors(model)
     if not held:
         return ()
     listed = [f"{name} {_describe(t)}" for name, t in held.items()]

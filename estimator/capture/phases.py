@@ -23,7 +23,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture.fake import deep_copies_in_mode
 from estimator.capture.records import Decoding, RunMarks, StepSpec
 from estimator.capture.symbols import hint
@@ -43,7 +43,7 @@ def lazy_births(optimizers: list, constructed: set[int], scalers: list) -> dict[
             if id(param) not in constructed:
                 born |= {id(v): Born(Birth.OPTIMIZER, i) for v in values.values() if isinstance(v, torch.Tensor)}
     for scaler in scalers:
-        born |= {id(t): Born(Birth.BACKWARD) for t in step.scaler_state(scaler).values()}
+        born |= {id(t): Born(Birth.BACKWARD) for t in steps.scaler_state(scaler).values()}
     return born
 
 
@@ -137,7 +137,7 @@ def decoding(tracker: Tracker, model: nn.Module):
         if name is None:
             return
         cache = output[name]
-        tensors = [t for t in step.tensors_in(cache).values() if t.dim() >= 3]
+        tensors = [t for t in steps.tensors_in(cache).values() if t.dim() >= 3]
         for t in tensors:
             _relabel(tracker, t, Category.KV_CACHE)
         # keys/values are (batch, heads, tokens, head_dim): bytes per token and sequence
@@ -159,14 +159,14 @@ def decoding(tracker: Tracker, model: nn.Module):
 @contextlib.contextmanager
 def user_step_context(spec: StepSpec):
     """While a user's step is captured: its ``GradScaler`` assumes finite gradients on fake
-    tensors (``step.finite_gradients``), a deep copy of the fake model (an EMA copy) stays in the
+    tensors (``steps.finite_gradients``), a deep copy of the fake model (an EMA copy) stays in the
     capture's fake mode (``deep_copies_in_mode``), and on the CUDA target its
     ``torch.autocast("cuda")`` regions autocast the fake CPU tensors with CUDA's op lists
     (``cuda_autocast.device_autocast``)."""
     if spec.step is None:
         yield
         return
-    with step.finite_gradients(), deep_copies_in_mode(), (
+    with steps.finite_gradients(), deep_copies_in_mode(), (
             cuda_autocast.device_autocast() if spec.target.is_cuda else contextlib.nullcontext()):
         yield
 
@@ -343,6 +343,6 @@ def module_hooks(tracker: Tracker):
 def model_state(model: nn.Module) -> dict[str, int]:
     """Bytes of each parameter and buffer (held tensors included) of the fake model, at the
     symbols' hints."""
-    state = step.state_tensors(model, None, ())
+    state = steps.state_tensors(model, None, ())
     return {name: hint(t.untyped_storage().nbytes())
             for category in (Category.PARAMETER, Category.BUFFER) for name, t in state[category].items()}

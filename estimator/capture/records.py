@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from estimator.capture import compiled, datadep
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture.tracker import OpEvent, Storage
 from estimator.vocab.categories import Mode
 from estimator.vocab.strategy import DEFAULT, Strategy
@@ -29,15 +29,15 @@ class StepSpec:
     GradScaler) and the strategy (gradient accumulation, activation checkpointing)."""
 
     mode: Mode
-    optimizer: step.OptimizerFactory | None
-    loss_fn: step.LossFn
+    optimizer: steps.OptimizerFactory | None
+    loss_fn: steps.LossFn
     target: TargetSpec = field(default_factory=TargetSpec)
-    precision: step.Precision = step.FP32
+    precision: steps.Precision = steps.FP32
     strategy: Strategy = DEFAULT
     data_dependent: datadep.Policy = field(default_factory=datadep.Policy)  # sizes fake tensors cannot know
     batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
     keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
-    step: step.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
+    step: steps.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
     compiled: compiled.Compiled | None = None  # the model is torch.compile'd so (None: eager)
 
 

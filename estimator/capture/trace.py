@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections
 from estimator.corrections import custom_ops
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture import compiled, datadep, generation, isolation, phases, symbols, tracing
 from estimator.capture.fake import (RealTensors, fake_model, fake_sample, held_note, has_row_lists, isolated,
                                     sample_rows, with_rows)
@@ -156,15 +156,15 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
         target = model
 
         def forward():
-            with step.autocast(spec.precision, step.device_type(model, sample)):
-                out = step.call_model(model, sample)
+            with steps.autocast(spec.precision, steps.device_type(model, sample)):
+                out = steps.call_model(model, sample)
                 if spec.mode is Mode.TRAIN:
                     spec.loss_fn(out, sample)
     else:
         memo: dict[int, Any] = {}
         target = copy.deepcopy(model, memo)
         fn = isolated(spec.step, memo)
-        state = step.user_state(target, spec.mode, spec.optimizer)
+        state = steps.user_state(target, spec.mode, spec.optimizer)
 
         def forward():
             with checkpointing(target, spec.strategy):
@@ -413,18 +413,18 @@ class _WarmedUp:
 def _built_in_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, real: RealTensors):
     """Build the built-in step's optimizer (and ``GradScaler``) and reach its steady state
     (``_warm_up``)."""
-    optimizer, scaler = step.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
+    optimizer, scaler = steps.prepare(fmodel, spec.mode, spec.optimizer, spec.precision)
     corrections.apply_optimizer_rules(spec.target, optimizer)
     constructed = set() if optimizer is None else {id(p) for p, values in optimizer.state.items() if values}
     with real:  # a lazy model's first step: a static sample of the batch's rows
         _warm_up(fmodel, optimizer, scaler)
 
     def run_step(on_phase=lambda phase: None):
-        return step.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, on_phase, spec.precision, scaler,
+        return steps.run(fmodel, fsample, spec.mode, optimizer, spec.loss_fn, on_phase, spec.precision, scaler,
                         spec.strategy, spec.batch_dims, spec.keep_output)
 
     optimizers = [] if optimizer is None else [optimizer]
-    return _WarmedUp(run_step, optimizers, step.state_tensors(fmodel, optimizer, fsample, scaler),
+    return _WarmedUp(run_step, optimizers, steps.state_tensors(fmodel, optimizer, fsample, scaler),
                      constructed=constructed,
                      lazy=phases.lazy_births(optimizers, constructed, [scaler] if scaler else []))
 
@@ -435,15 +435,15 @@ def _warm_up(model: nn.Module, optimizer, scaler) -> None:
     Optimizer state is created lazily by the first ``step()``; it depends on the parameters'
     shapes only, so a step on zero gradients creates it without a forward and backward.  A
     ``GradScaler`` creates its scale and growth tracker at its first ``scale()``: scaling a
-    zero loss does, and ``scaler.step``/``update`` then run as in a real first step.  (Lazy
+    zero loss does, and ``scaler.step``/``update`` then run as in a real first steps.  (Lazy
     modules with uninitialised parameters are refused before: ``fake.fake_model``.)
     """
     if scaler is not None:
-        scaler.scale(torch.zeros((), device=step.device_type(model)))
+        scaler.scale(torch.zeros((), device=steps.device_type(model)))
     if optimizer is not None:
-        for p in step.trainable(model):
+        for p in steps.trainable(model):
             p.grad = torch.zeros_like(p)
-        step.optimizer_step(optimizer, scaler)
+        steps.optimizer_step(optimizer, scaler)
 
 
 def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: RealTensors,
@@ -452,24 +452,24 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
     unrecorded: the steady state, whatever the step keeps between steps (optimizer state,
     gradients it does not set to None, an EMA copy, a list it appends to).  The step function is
     a copy whose closure and global containers are copies, the model it names the fake one
-    (``fake.isolated``).  ``state``: ``step.user_state_tensors``; ``kept``: the other storages the
+    (``fake.isolated``).  ``state``: ``steps.user_state_tensors``; ``kept``: the other storages the
     setup and the warm-up step left alive (held by the step's code)."""
     fn = isolated(spec.step, memo)
     births = Tracker(module_names, spec.target)  # every storage the setup and the warm-up create
     with births, real:
-        user_state = step.user_state(fmodel, spec.mode, spec.optimizer)
-        optimizers = step.optimizers_in(user_state)
+        user_state = steps.user_state(fmodel, spec.mode, spec.optimizer)
+        optimizers = steps.optimizers_in(user_state)
         for optimizer in optimizers:
             corrections.apply_optimizer_rules(spec.target, optimizer)
         constructed = {id(p) for optimizer in optimizers for p, values in optimizer.state.items() if values}
         # generate(): a prefill-only call makes what a model makes once (the cache is made per
         # call); the full call would double the capture's cost for nothing
-        first = dataclasses.replace(fn, new_tokens=1) if isinstance(fn, step.Generation) else fn
+        first = dataclasses.replace(fn, new_tokens=1) if isinstance(fn, steps.Generation) else fn
         with checkpointing(fmodel, spec.strategy):
             result = first(fmodel, fsample, user_state)
         del result
     gc.collect()
-    state = step.user_state_tensors(fmodel, user_state, fsample)
+    state = steps.user_state_tensors(fmodel, user_state, fsample)
     known = {t.untyped_storage()._cdata for tensors in state.values() for t in tensors.values()}
     kept = [s for s in births.alive_storages() if s._cdata not in known]
 
@@ -484,7 +484,7 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         with checkpointing(fmodel, spec.strategy):
             return fn(fmodel, fsample, user_state)
 
-    lazy = phases.lazy_births(optimizers, constructed, step.instances_in(user_state, torch.amp.GradScaler))
+    lazy = phases.lazy_births(optimizers, constructed, steps.instances_in(user_state, torch.amp.GradScaler))
     return _WarmedUp(run_step, optimizers, state, kept, notes=notes, lazy=lazy)
 
 

@@ -50,7 +50,7 @@ class Built:
 
 
 @dataclass(frozen=True)
-class Spec:
+class ModelArgument:
     """A parsed MODEL argument: ``kind`` is ``zoo``, ``file``, ``module`` or ``integration``."""
 
     kind: str
@@ -71,34 +71,34 @@ def zoo_names() -> list[str]:
     return models_zoo.names()
 
 
-def parse(text: str) -> Spec:
+def parse(text: str) -> ModelArgument:
     """Classify a MODEL argument without building anything (zoo names need ``models_zoo``)."""
     if not isinstance(text, str) or not text.strip():
         raise InputError("MODEL is empty: " + FORMS.format(zoo=", ".join(zoo_names())))
     text = text.strip()
     if ":" not in text or _looks_like_windows_path(text):
         if text in zoo_names():
-            return Spec("zoo", text)
+            return ModelArgument("zoo", text)
         raise InputError(_unknown_message(text))
     source, rest = text.split(":", 1)
     if source in INTEGRATIONS and rest:  # the name may hold a colon (a local config folder)
-        return Spec("integration", source, rest)
+        return ModelArgument("integration", source, rest)
     target, name = text.rsplit(":", 1)  # a path may hold one (C:/models/x.py:make)
     if not target or not name:
         raise InputError(f"cannot read the model spec {text!r}: write " + FORMS.format(zoo="gpt, resnet, …"))
-    return _function_spec(target, name, "factory")
+    return _function_argument(target, name, "factory")
 
 
-def _function_spec(target: str, name: str, role: str) -> Spec:
+def _function_argument(target: str, name: str, role: str) -> ModelArgument:
     """``target:name`` as a ``file`` or ``module`` spec (``role`` names the function in errors)."""
     if target.endswith(".py") or os.sep in target or "/" in target:
-        return Spec("file", target, name)
+        return ModelArgument("file", target, name)
     if not all(part.isidentifier() for part in target.split(".")):
         raise InputError(
             f"{target!r} is neither a .py file nor a dotted module name: write path/to/file.py:{role} "
             f"or package.module:{role}"
         )
-    return Spec("module", target, name)
+    return ModelArgument("module", target, name)
 
 
 def load_function(text: str, what: str) -> Any:
@@ -114,7 +114,7 @@ def load_function(text: str, what: str) -> Any:
         raise InputError(f"name the function in {text!r}: write {text}:FUNCTION ({what})")
     if not name.isidentifier():
         raise InputError(f"{name!r} in {text!r} is not a function name: write path/to/file.py:FUNCTION ({what})")
-    return _function(_function_spec(target, name, "FUNCTION"), what)
+    return _function(_function_argument(target, name, "FUNCTION"), what)
 
 
 def _looks_like_windows_path(text: str) -> bool:
@@ -184,7 +184,7 @@ def _zoo(name: str, size: str, batch: int | None, dtype: str | None, device_init
     return _cast(built, dtype, model_too=False) if cast else built
 
 
-def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: str,
+def _integration(spec: ModelArgument, batch: int | None, dtype: str | None, device_init: str,
                  seq_len: int | None = None) -> Built:
     try:
         from estimator.integrations import build
@@ -199,7 +199,7 @@ def _integration(spec: Spec, batch: int | None, dtype: str | None, device_init: 
     return Built(model, sample, loss_fn, spec.label, batch)
 
 
-def _function(spec: Spec, what: str) -> Any:
+def _function(spec: ModelArgument, what: str) -> Any:
     """The callable ``spec`` names in its file or module (imported here); ``what`` describes it."""
     module = _import_file(spec.target) if spec.kind == "file" else _import_module(spec.target)
     function = getattr(module, spec.name, None)
@@ -213,7 +213,7 @@ def _function(spec: Spec, what: str) -> Any:
     return function
 
 
-def _factory(spec: Spec) -> Built:
+def _factory(spec: ModelArgument) -> Built:
     where = spec.label
     factory = _function(spec, "a function returning (model, sample)")
     try:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from estimator.capture import compiled, datadep
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.capture.fake import has_row_lists, row_list_tensors, row_lists
 from estimator.capture.records import StepSpec
 from estimator.vocab.categories import Mode
@@ -105,9 +105,9 @@ def check(request: Request) -> Checked:
     notes = [*target_notes, *notes]
     _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output)
     if user_step is not None:
-        factory = step.state_factory(optimizer) if mode_ is Mode.TRAIN else None
+        factory = steps.state_factory(optimizer) if mode_ is Mode.TRAIN else None
     else:
-        factory = step.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
+        factory = steps.optimizer_factory(optimizer) if mode_ is Mode.TRAIN else None
     if keep_output is not None and not isinstance(keep_output, bool):
         raise InputError(f"keep_output must be True or False, got {keep_output!r}")
     strategy = _strategy(strategy, mode_, model, batch)
@@ -118,8 +118,8 @@ def check(request: Request) -> Checked:
     if strategy.master_weights:
         factory = _master_weights(model, factory)
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
-    precision = step.Precision.of(amp, grad_scaler, mode_)
-    spec = StepSpec(mode_, factory, loss_fn or step.default_loss, target, precision, strategy,
+    precision = steps.Precision.of(amp, grad_scaler, mode_)
+    spec = StepSpec(mode_, factory, loss_fn or steps.default_loss, target, precision, strategy,
                     datadep.Policy.of(data_dependent), dims, keep_output is not False, user_step, compiled_as)
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
@@ -152,7 +152,7 @@ def _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output
                          "step computes its loss, autocasts (torch.autocast) and keeps what it keeps itself: "
                          f"drop {' and '.join(given)}")
     # accumulate=k with a step of yours: b is the optimizer step's batch, the step is handed all of
-    # its k micro-batches' rows and splits them itself (step.micro_batches); the capture's symbol
+    # its k micro-batches' rows and splits them itself (steps.micro_batches); the capture's symbol
     # is the micro-batch, so the formulas stay polynomial in b.
     if strategy is not None and isinstance(strategy, Strategy) and (
             dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False, accumulate=1) != DEFAULT):
@@ -191,7 +191,7 @@ def _mode(mode) -> Mode:
 
 
 def _generation(model: nn.Module, sample: Any, mode: Mode, user_step, new_tokens,
-                cache_implementation) -> step.Generation | None:
+                cache_implementation) -> steps.Generation | None:
     """``mode="generate"``'s arguments, checked: a model with ``generate()``, a dict sample (its
     ``input_ids``), ``new_tokens >= 1``, a cache implementation fxmem knows."""
     if mode is not Mode.GENERATE:
@@ -212,10 +212,10 @@ def _generation(model: nn.Module, sample: Any, mode: Mode, user_step, new_tokens
     if new_tokens is None:
         raise InputError("mode='generate' needs new_tokens=, the tokens to generate per sequence")
     n = as_int(new_tokens, "new_tokens")
-    if cache_implementation not in step.CACHE_IMPLEMENTATIONS:
-        raise InputError(f"cache_implementation must be one of {step.CACHE_IMPLEMENTATIONS}, got "
+    if cache_implementation not in steps.CACHE_IMPLEMENTATIONS:
+        raise InputError(f"cache_implementation must be one of {steps.CACHE_IMPLEMENTATIONS}, got "
                          f"{cache_implementation!r}")
-    return step.Generation(n, cache_implementation)
+    return steps.Generation(n, cache_implementation)
 
 
 def device_name(device) -> str:
@@ -256,12 +256,12 @@ def _master_weights(model: nn.Module, factory):
     """The optimizer behind fp32 master weights, for a model with low-precision parameters."""
     if factory is None:
         raise InputError("Strategy(master_weights=True) keeps fp32 copies for the optimizer: give an optimizer")
-    dtypes = {p.dtype for p in step.trainable(model) if p.is_floating_point()}
+    dtypes = {p.dtype for p in steps.trainable(model) if p.is_floating_point()}
     if not dtypes - {torch.float32, torch.float64}:
         raise InputError("Strategy(master_weights=True) keeps fp32 copies of low-precision parameters, but the "
                          f"model's are {', '.join(sorted(str(d) for d in dtypes)) or 'not floating point'}: "
                          "cast it first (model.to(torch.bfloat16))")
-    return step.master_weights(factory)
+    return steps.master_weights(factory)
 
 
 def _precision_of(strategy: Strategy, amp, grad_scaler):

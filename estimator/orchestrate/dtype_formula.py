@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.account import CATEGORIES, OpMemory, Timeline, Vector
 from estimator.capture.dtypes import DTYPES, NAMES, cast, model_dtype, width
 from estimator.orchestrate.path import Formula
@@ -113,7 +113,7 @@ def build(request, formula: Formula, remake: Callable[[nn.Module, Any, Strategy]
         model_dtype=NAMES.get(source, str(source)),
         lines=tuple(line.result() for line in lines),
         batch=batch, seq=seq, valid_from=valid_from, valid_to=valid_to, guards=guards,
-        params=sum(p.numel() for p in step.trainable(request.model)),
+        params=sum(p.numel() for p in steps.trainable(request.model)),
         notes=tuple(notes),
     )
 
@@ -127,7 +127,7 @@ def _request_at(request, name: str, remake):
     if not (strategy.master_weights and DTYPES[name].itemsize >= 4):
         return remake(model, sample, strategy)
     plain = remake(model, sample, dataclasses.replace(strategy, master_weights=False))
-    spec = dataclasses.replace(plain.spec, optimizer=step.master_weights(plain.spec.optimizer), strategy=strategy)
+    spec = dataclasses.replace(plain.spec, optimizer=steps.master_weights(plain.spec.optimizer), strategy=strategy)
     return dataclasses.replace(plain, spec=spec)
 
 

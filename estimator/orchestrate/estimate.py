@@ -18,7 +18,7 @@ from torch import nn
 
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import datadep
-from estimator.capture import steps as step
+from estimator.capture import steps
 from estimator.devices import cuda, cudnn
 from estimator.orchestrate import dtype_formula
 from estimator.orchestrate import path as capture_path
@@ -54,84 +54,84 @@ def estimate(request: Request) -> Report:
 def estimate_each(requests: Mapping[str, Request]) -> dict[str, Report]:
     """``estimate`` of every request (by label), one capture per distinct captured step
     (``Checked.capture_key``)."""
-    checked = {label: check(request) for label, request in requests.items()}
+    checks = {label: check(request) for label, request in requests.items()}  # every argument before any capture
     formulas = {}
     out = {}
-    for label, request in checked.items():
-        if request.capture_key not in formulas:
-            formulas[request.capture_key] = capture_formula(request)
-        out[label] = result(request, capture_step(request, formulas[request.capture_key]))
+    for label, checked in checks.items():
+        if checked.capture_key not in formulas:
+            formulas[checked.capture_key] = capture_formula(checked)
+        out[label] = result(checked, capture_step(checked, formulas[checked.capture_key]))
     return out
 
 
-def result(request: Checked, step_: Captured) -> Report:
-    """The report of ``request`` from its captured step: one device's, or every rank's."""
-    spec, strategy, model, batch = request.spec, request.strategy, request.model, request.batch
-    notes = [*request.notes, *step_.notes]
+def result(checked: Checked, captured: Captured) -> Report:
+    """The report of the request ``checked`` from its captured step: one device's, or every rank's."""
+    spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch
+    notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
-        ran = {op.op for op in step_.timeline.ops} | {site.op for site in step_.data_dependent}
+        ran = {op.op for op in captured.timeline.ops} | {site.op for site in captured.data_dependent}
         notes += [cuda.not_modelled_note(ran), *gpus.estimated_notes(spec.target.context_bytes),
-                  *cudnn.estimated_notes(step_.at_batch or step_.timeline, step_.graph, spec.target, batch,
-                                         step_.seq, per_device=not strategy.distributed)]
+                  *cudnn.estimated_notes(captured.at_batch or captured.timeline, captured.graph, spec.target, batch,
+                                         captured.seq, per_device=not strategy.distributed)]
     if strategy.multiple > 1:
         notes.append(_batch_note(strategy))
     if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
-        notes.extend(_kept_output_note(step_.at_batch, batch))
+        notes.extend(_kept_output_note(captured.at_batch, batch))
     common = {
         "model": type(model).__name__,
         "mode": spec.mode,
         "device": spec.target.device.value,
-        "optimizer": request.optimizer_name,
+        "optimizer": checked.optimizer_name,
         "batch": batch,
-        "path": step_.path,
-        "valid_from": step_.valid_from,
-        "valid_to": step_.valid_to,
-        "guards": step_.guards,
-        "graph": step_.graph,
-        "batch_outside_range": step_.outside,
+        "path": captured.path,
+        "valid_from": captured.valid_from,
+        "valid_to": captured.valid_to,
+        "guards": captured.guards,
+        "graph": captured.graph,
+        "batch_outside_range": captured.outside,
         "target": spec.target,
-        "seq": step_.seq,
-        "seq_range": step_.seq_range or (2, None),
+        "seq": captured.seq,
+        "seq_range": captured.seq_range or (2, None),
         "multiple": strategy.multiple,
         "strategy": strategy,
-        "data_dependent": step_.data_dependent,
+        "data_dependent": captured.data_dependent,
     }
     if spec.mode is Mode.GENERATE:
-        prompt = step_.seq if step_.seq is not None else request.sample["input_ids"].shape[-1]
-        common["generation"] = _generated(spec.step, step_.at_batch or step_.timeline, batch, prompt)
+        prompt = captured.seq if captured.seq is not None else checked.sample["input_ids"].shape[-1]
+        common["generation"] = _generated(spec.step, captured.at_batch or captured.timeline, batch, prompt)
         notes.append(_generated_note(common["generation"], batch))
     if not strategy.distributed:
-        rep = _assemble(model, step_.timeline, step_.at_batch, step_, {**common, "notes": tuple(notes)})
+        rep = _assemble(model, captured.timeline, captured.at_batch, captured, {**common, "notes": tuple(notes)})
         return rep if rep.cuda is None else dataclasses.replace(rep, notes=(*rep.notes, cuda.run_note(rep.cuda)))
 
     def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
-        return poly(batch, step_.seq) if poly.has_s else poly(batch)
+        return poly(batch, captured.seq) if poly.has_s else poly(batch)
 
-    ranks = per_rank(step_.timeline, model, strategy, spec.target, at)
-    at_batch = per_rank(step_.at_batch, model, strategy, spec.target, at) if step_.separate else ranks
+    ranks = per_rank(captured.timeline, model, strategy, spec.target, at)
+    at_batch = per_rank(captured.at_batch, model, strategy, spec.target, at) if captured.separate else ranks
     per = tuple(
-        RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, step_, {**common, "notes": ()}))
+        RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, captured, {**common, "notes": ()}))
         for r, a in zip(ranks, at_batch)
     )
     worst = max(per, key=lambda r: (r.report.peak_bytes if r.report.cuda is None else r.report.cuda.device))
     pieces = [p for r in per for p in r.report.pieces]
-    keep = nondominated([p.bytes for p in pieces], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    keep = nondominated([p.bytes for p in pieces], captured.valid_from, captured.valid_to, captured.seq_range_lo)
     if worst.report.cuda is not None:
         notes.append(cuda.run_note(worst.report.cuda))
     return dataclasses.replace(worst.report, pieces=tuple(pieces[i] for i in keep), ranks=per, notes=tuple(notes))
 
 
-def _with_sample_sizes(request: Checked, rep: Report) -> Report:
+def _with_sample_sizes(checked: Checked, rep: Report) -> Report:
     """Under the default bound (``data_dependent='max'``), a report with sizes at their bound also
     gets the same step at the sample's sizes (``Report.at_sample``): the bound is what "will it
     fit" needs, the sample's what a run on it allocates.  The sample's sizes need a real forward
     (real weights) unless the sample's own values fix them; where they cannot be had, a note says
     why."""
-    policy = request.spec.data_dependent
+    policy = checked.spec.data_dependent
     bounded = {datadep.Source.BOUND, datadep.Source.BUDGET}
     if policy != datadep.Policy() or not any(site.source in bounded for site in rep.data_dependent):
         return rep
-    sampled = dataclasses.replace(request, spec=dataclasses.replace(request.spec,
+    sampled = dataclasses.replace(checked, spec=dataclasses.replace(checked.spec,
                                                                     data_dependent=datadep.Policy.of("sample")))
     try:
         at_sample = result(sampled, capture_step(sampled))
@@ -141,32 +141,32 @@ def _with_sample_sizes(request: Checked, rep: Report) -> Report:
     return dataclasses.replace(rep, at_sample=at_sample)
 
 
-def capture_formula(request: Checked) -> Formula:
-    """The request's single-device step as formulas (``capture.path.formula``: symbolic, ``b`` alone, or
-    concrete fits).  Requests with the same ``capture_key`` share it."""
-    return capture_path.formula(request.model, request.sample, request.capture_spec, request.batch,
-                                request.microbatches, request.seq_dims, request.seq)
+def capture_formula(checked: Checked) -> Formula:
+    """The request's single-device step as formulas (``orchestrate.path.formula``: symbolic, ``b``
+    alone, or concrete fits).  Requests with the same ``capture_key`` share it."""
+    return capture_path.formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
+                                checked.microbatches, checked.seq_dims, checked.seq)
 
 
-def capture_step(request: Checked, formula: Formula | None = None) -> Captured:
-    """The captured step of ``request`` (``formula``: its capture, when shared) at the request's
-    batch (``capture.path.at_batch``)."""
-    formula = formula or capture_formula(request)
-    return capture_path.at_batch(request.model, request.sample, request.capture_spec, request.batch,
-                                 request.microbatches, formula)
+def capture_step(checked: Checked, formula: Formula | None = None) -> Captured:
+    """The captured step of ``checked`` (``formula``: its capture, when shared) at the request's
+    batch (``orchestrate.path.at_batch``)."""
+    formula = formula or capture_formula(checked)
+    return capture_path.at_batch(checked.model, checked.sample, checked.capture_spec, checked.batch,
+                                 checked.microbatches, formula)
 
 
-def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: Captured, common: dict) -> Report:
+def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured: Captured, common: dict) -> Report:
     """The report of one device's step: the peak's pieces (formulas), the peak at the batch
     with its breakdown, module rows and, on CUDA, the allocator's view."""
     target, batch, seq = common["target"], common["batch"], common["seq"]
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.workspaces_held(timeline, target))
     candidates = timeline.candidates()
-    keep = nondominated([poly for poly, _ in candidates], step_.valid_from, step_.valid_to, step_.seq_range_lo)
+    keep = nondominated([poly for poly, _ in candidates], captured.valid_from, captured.valid_to, captured.seq_range_lo)
     pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
     _, (peak_index, peak_k) = max(at_batch.candidates(), key=lambda c: c[0](batch))
-    formulas = timeline if not step_.separate else at_batch  # in b (and s) where the formula holds
+    formulas = timeline if not captured.separate else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
     on_device = cuda.predict(at_batch, batch, target) if target.is_cuda else None
@@ -183,7 +183,7 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, step_: C
     )
 
 
-def _generated(generation: step.Generation, timeline: Timeline, batch: int, prompt: int) -> Generated:
+def _generated(generation: steps.Generation, timeline: Timeline, batch: int, prompt: int) -> Generated:
     decoding = timeline.decoding
     if decoding is None or not decoding.calls:
         raise CaptureError("mode='generate': generate() never called the model")
