@@ -8,6 +8,7 @@ from torch import nn
 
 import estimator
 from estimator import InputError, Strategy, planning
+from estimator.orchestrate import estimate
 
 PARAMS = 4 * (64 * 64 + 64) * 4  # 4 x Linear(64, 64), fp32: 66_560 B
 
@@ -49,13 +50,13 @@ def test_compare_rows_against_single_device_reports():
 
 def test_compare_captures_each_step_once(monkeypatch):
     calls = []
-    original = planning._capture_formula
+    original = estimate.capture_formula
 
-    def counting(request):
-        calls.append(request.capture_spec.strategy)
-        return original(request)
+    def counting(checked):
+        calls.append(checked.capture_spec.strategy)
+        return original(checked)
 
-    monkeypatch.setattr(planning, "_capture_formula", counting)
+    monkeypatch.setattr(estimate, "capture_formula", counting)
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, devices=4, device="cpu")
     # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)

@@ -170,7 +170,7 @@ def test_batch_dims_split_by_gradient_accumulation(monkeypatch):
     rep = estimator.report(layer, x, batch_dims=1, strategy=strategy, device="cpu")
     assert rep.batch == 4 and rep.path is estimator.CapturePath.SYMBOLIC
     run = steps.run
-    monkeypatch.setattr(step, "run", lambda *a, **k: run(*a, **k, batch_dims=(1,)))
+    monkeypatch.setattr(steps, "run", lambda *a, **k: run(*a, **k, batch_dims=(1,)))
     assert rep.peak_bytes == measure_cpu(layer, x, strategy=strategy).peak_bytes
     halves = steps.micro_batches(x, 2, (1,))
     assert [tuple(h.shape) for h in halves] == [(10, 2, 16)] * 2
