@@ -173,7 +173,8 @@ def report(
     an input (one with the sample's batch size follows ``b``) -- and named in the notes.
 
     Returns:
-        A frozen ``Report``.
+        A frozen ``Report``: ``estimator.estimate(estimator.Request(model, sample, **options))``
+        (``compare`` and ``plan`` build the same request, once per strategy).
 
     Example:
         >>> import torch, estimator

@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from estimator.vocab.errors import InputError
 from estimator.orchestrate.checked import device_name, sample_batch
 from estimator.orchestrate.estimate import estimate_each
-from estimator.vocab.request import Request
 from estimator.reporting.result import Report
+from estimator.vocab.errors import InputError
+from estimator.vocab.request import Request
 from estimator.vocab.strategy import Sharding, Strategy, blocks
 from estimator.vocab.units import as_int, format_bytes, parse_bytes
 

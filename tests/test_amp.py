@@ -20,12 +20,12 @@ from torch import nn
 
 import estimator
 from estimator import Category
-from estimator.capture import steps
 from estimator.account import account
+from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.categories import Mode, Target
 from estimator.corrections.cuda import autocast
+from estimator.vocab.categories import Mode, Target
 from estimator.vocab.errors import CaptureError, InputError
 from estimator.vocab.gpus import resolve_gpu
 from estimator.vocab.target import TargetSpec

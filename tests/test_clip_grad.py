@@ -20,8 +20,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import estimator
-from estimator.capture import steps
 from estimator.account import allocation_events
+from estimator.capture import steps
 from estimator.vocab.categories import Category, Mode
 from validators.cpu import measure_user_step, threads
 

@@ -9,13 +9,13 @@ true) must differ, so the test could fail.
 from __future__ import annotations
 
 import torch
+from session_cache import compare
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import estimator
-from estimator.vocab.categories import Target
 from estimator.corrections import composite, registry
-from session_cache import compare
+from estimator.vocab.categories import Target
 from validators.cpu import measure_cpu
 
 

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import steps
 from estimator.account import account
+from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.categories import Mode
 from estimator.corrections import lookup
 from estimator.corrections.cpu import rnn as rnn_fix
+from estimator.vocab.categories import Mode
 from validators.cpu import measure_cpu
 
 aten = torch.ops.aten

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from estimator.vocab.errors import InputError
 from estimator.devices.cuda_allocator import (
     AllocatorConfig,
     AllocatorConfigError,
@@ -21,6 +20,7 @@ from estimator.devices.cuda_allocator import (
     replay,
     round_size,
 )
+from estimator.vocab.errors import InputError
 
 KiB, MiB = 2**10, 2**20
 

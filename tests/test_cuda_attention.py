@@ -27,9 +27,9 @@ from estimator import corrections
 from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.categories import Category, Mode, Target
 from estimator.corrections.cuda import attention_substitute, attention_workspaces
 from estimator.corrections.cuda.attention_backends import Backend, select_backend, why_not
+from estimator.vocab.categories import Category, Mode, Target
 from estimator.vocab.errors import SymbolicCaptureFailed
 from estimator.vocab.gpus import resolve_gpu
 from estimator.vocab.target import TargetSpec

@@ -13,9 +13,9 @@ from estimator import corrections
 from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.categories import Mode, Phase, Target
 from estimator.corrections import NO_FIX, lookup, packed
 from estimator.corrections.cuda import kernels, rnn
+from estimator.vocab.categories import Mode, Phase, Target
 from estimator.vocab.gpus import resolve_gpu
 from estimator.vocab.target import TargetSpec
 

@@ -10,11 +10,11 @@ from torch import nn
 
 import estimator
 import models_zoo
-from estimator.orchestrate import estimate
 from estimator.devices import cudnn
 from estimator.devices.cudnn import CallKind
-from estimator.vocab.strategy import Strategy
+from estimator.orchestrate import estimate
 from estimator.vocab import gpus
+from estimator.vocab.strategy import Strategy
 
 A100_80 = 85_100_068_864  # resolve_gpu("A100 80GB").total_memory (deviceQuery, observed)
 CONTEXT = 512 * 2**20  # DEFAULT_CONTEXT_BYTES = 536,870,912

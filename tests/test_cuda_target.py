@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import steps
 from estimator.account import account
+from estimator.capture import steps
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.categories import Category, Mode, Phase, Target
-from estimator.vocab.errors import InputError
 from estimator.devices.cuda import Overhead
 from estimator.devices.cuda_allocator import OutOfMemory
+from estimator.vocab.categories import Category, Mode, Phase, Target
+from estimator.vocab.errors import InputError
 from estimator.vocab.gpus import resolve_gpu
 from estimator.vocab.target import DEFAULT_CONTEXT_BYTES, TargetSpec
 from estimator.vocab.units import format_bytes

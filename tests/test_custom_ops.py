@@ -20,7 +20,6 @@ from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFail
 from estimator.vocab.symbolic import B, Poly
 from validators.cpu import measure_cpu
 
-
 # -- the ops (no fake kernel unless said) -------------------------------------------------------
 
 @torch.library.custom_op("fxtest::project", mutates_args=())

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import estimator
-from estimator.capture import datadep
+from estimator.vocab.data_dependent import Policy, Source
 from estimator.vocab.errors import InputError
 from validators.cpu import measure_cpu
 
@@ -122,7 +122,7 @@ def test_per_site_numbers_and_unknown_sites():
 @pytest.mark.parametrize("bad", ["most", 1.5, 0.0, -3, True, {"x": -1}])
 def test_bad_policies_are_input_errors(bad):
     with pytest.raises(InputError, match="data_dependent"):
-        datadep.Policy.of(bad)
+        Policy.of(bad)
 
 
 def test_item_in_forward_uses_the_real_sample():
@@ -239,7 +239,7 @@ def test_report_lists_the_sizes_it_used():
     x, mask = torch.randn(4, 16, D), torch.zeros(4, 16, dtype=torch.bool)
     (site,) = estimator.report(Gather(), (x, mask), mode="inference", device="cpu").data_dependent
     b = estimator.vocab.symbolic.B
-    assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, datadep.Source.BOUND)
+    assert (site.site, site.upper, site.used, site.source) == (":nonzero#0", 16 * b, 16 * b, Source.BOUND)
 
 
 def test_transformers_eager_experts_replay_their_item_calls():
@@ -310,7 +310,7 @@ def test_packed_sequences_with_the_samples_lengths_are_exact(cell, batch_first, 
     assert rep.peak_bytes == measure_cpu(PackedRNN(cell, batch_first, pad), sequences(3), mode=mode,
                                          loss_fn=loss).peak_bytes
     (site,) = rep.data_dependent
-    assert site.op == "pack_padded_sequence" and site.source is datadep.Source.INPUTS
+    assert site.op == "pack_padded_sequence" and site.source is Source.INPUTS
     assert site.used == int(sequences(3)["lengths"].sum())  # the packed rows
 
 
@@ -321,7 +321,7 @@ def test_packed_sequences_default_to_full_lengths():
 
     torch.manual_seed(0)
     rep = estimator.report(PackedRNN(), sequences(4), mode="train", loss_fn=sum_loss, device="cpu")
-    assert rep.data_dependent[0].used == 4 * 12 and rep.data_dependent[0].source is datadep.Source.BOUND
+    assert rep.data_dependent[0].used == 4 * 12 and rep.data_dependent[0].source is Source.BOUND
     full = {"ids": sequences(4)["ids"], "lengths": torch.full((4,), 12)}
     torch.manual_seed(0)
     assert rep.peak_bytes == measure_cpu(PackedRNN(), full, loss_fn=sum_loss).peak_bytes

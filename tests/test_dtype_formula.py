@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_map
 import estimator
 import models_zoo
 from estimator import Strategy
-from estimator.vocab.categories import Category
 from estimator.cli import cli
+from estimator.vocab.categories import Category
 from estimator.vocab.errors import InputError
 from estimator.vocab.symbolic import nondominated
 

@@ -1,9 +1,9 @@
 """``account.allocation_events`` replays to exactly the report's peak (it feeds allocator models)."""
 
 import pytest
+from session_cache import zoo_report  # the reports tests/test_symbolic.py checks too, captured once
 
 from estimator.account import allocation_events
-from session_cache import zoo_report  # the reports tests/test_symbolic.py checks too, captured once
 
 
 def exact_peak(events) -> int:

@@ -10,14 +10,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from session_cache import compare
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import estimator
-from estimator.vocab.categories import Target
 from estimator.corrections import fastpath, registry
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import CaptureError
-from session_cache import compare
 from validators.cpu import measure_cpu
 
 aten = torch.ops.aten

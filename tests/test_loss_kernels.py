@@ -22,12 +22,12 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import estimator
+from estimator.account import account
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.account import account
-from estimator.vocab.categories import Mode
 from estimator.corrections import lookup
 from estimator.corrections.cpu import loss as loss_fix
+from estimator.vocab.categories import Mode
 from estimator.vocab.symbolic import Poly
 from models_zoo import steps
 from validators.cpu import measure_cpu, measure_user_step, threads

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import sympy
 
-from estimator.vocab.symbolic import B, S, NotPolynomial, Poly, fit, max_fitting, nondominated
+from estimator.vocab.symbolic import B, NotPolynomial, Poly, S, fit, max_fitting, nondominated
 
 
 def test_poly_arithmetic_and_expr():

@@ -4,6 +4,8 @@ meta-device models; byte units."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 
 import pytest
@@ -19,6 +21,23 @@ from estimator import Category, format_bytes, parse_bytes
 def linear_report():
     # Linear(16, 4), SGD, b = 8: peak 96*8 + 552 = 1320 B (see test_exact).
     return estimator.report(nn.Linear(16, 4), torch.randn(8, 16), optimizer="sgd", device="cpu")
+
+
+def test_report_is_estimate_of_a_request():
+    """``report(model, sample, **options)`` is ``estimate(Request(model, sample, **options))``: one
+    request object, its fields report()'s keywords (which follow the first two arguments)."""
+    params = inspect.signature(estimator.report).parameters
+    assert [f.name for f in dataclasses.fields(estimator.Request)] == list(params)
+    assert {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY} == {
+        f.name: f.default for f in dataclasses.fields(estimator.Request) if f.name not in ("model", "sample")}
+    assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n not in ("model", "sample"))
+    model, x = nn.Linear(16, 4), torch.randn(8, 16)
+    request = estimator.Request(model, x, batch=32, optimizer="sgd", device="cpu")
+    assert estimator.estimate(request).to_json() == estimator.report(model, x, batch=32, optimizer="sgd",
+                                                                      device="cpu").to_json()
+    assert request.replace(batch=4).batch == 4 and request.batch == 32
+    with pytest.raises(TypeError, match="positional"):
+        estimator.report(model, x, 32)
 
 
 def test_str_has_peak_formula_and_categories(linear_report):

@@ -14,9 +14,9 @@ from torch import nn
 
 import estimator
 from estimator import InputError, Strategy
-from estimator.vocab.categories import Category
 from estimator.ranks import ddp
 from estimator.ranks.per_rank import RankStep
+from estimator.vocab.categories import Category
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 MLP = functools.partial(sequential_mlp, 256, 4)

@@ -13,10 +13,10 @@ from torch import nn
 
 import estimator
 from estimator.account import CATEGORIES
+from estimator.ranks.fsdp import shard_sizes
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import InputError
 from estimator.vocab.strategy import Strategy
-from estimator.ranks.fsdp import shard_sizes
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 F32 = 4

@@ -16,10 +16,10 @@ import pytest
 
 import estimator
 from estimator.account import CATEGORIES
+from estimator.ranks.pipeline import in_flight, order
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import InputError
 from estimator.vocab.strategy import Strategy
-from estimator.ranks.pipeline import in_flight, order
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 F32 = 4

@@ -33,8 +33,8 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator import Category, InputError
-from estimator.vocab.strategy import Strategy
 from estimator.capture.checkpointing import checkpointing
+from estimator.vocab.strategy import Strategy
 from models_zoo.gpt import Block
 from validators.cpu import measure_cpu
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import sympy
 import torch
+from session_cache import zoo_report  # one report per (model, mode, batch), shared with tests/test_events.py
 from torch import nn
 
 import estimator
 import models_zoo
 from estimator import CapturePath, InputError
-from session_cache import zoo_report  # one report per (model, mode, batch), shared with tests/test_events.py
 from validators.cpu import measure_cpu
 from validators.outside import StepSlices, sum_loss
 
@@ -316,7 +316,8 @@ def test_reformer_inference_loops_over_its_batch(b):
     """transformers Reformer's axial position encodings loop over the batch in eval: reported at
     the batch, exact (tolerance: 0 B)."""
     pytest.importorskip("transformers")
-    from validators.outside import reformer as make, reformer_sample
+    from validators.outside import reformer as make
+    from validators.outside import reformer_sample
 
     sample = reformer_sample(b)
     rep = estimator.report(make(), sample, mode="inference", device="cpu")

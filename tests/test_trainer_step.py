@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_cases import S, batch_of, dataset, gpt2, needs_trainer
 
 import estimator
 from estimator import InputError
-from trainer_cases import S, batch_of, dataset, gpt2, needs_trainer
 
 TOLERANCE = 0.005  # 0.5 %, as tests/test_validation.py
 ZERO_DIM_SLACK = 64  # bytes: a few 0-dim tensors (wrapped Python numbers, scalars)

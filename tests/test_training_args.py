@@ -21,10 +21,10 @@ import sys
 import types
 
 import pytest
+from trainer_cases import VOCAB, S, batch_of, config, dataset, gpt2, needs_trainer
 
 import estimator
 from estimator import InputError, Strategy
-from trainer_cases import S, VOCAB, batch_of, config, dataset, gpt2, needs_trainer
 
 TOLERANCE = 0.005  # 0.5 %, as tests/test_validation.py
 B, K = 4, 2  # micro-batch, accumulation steps

@@ -21,9 +21,27 @@ from estimator import Strategy
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import InputError
 from models_zoo import steps
-from models_zoo.steps import (amp_state, amp_step, data, ema_state, ema_step, frozen_net, fused_state, fused_step, gan,
-                              gan_data, gan_state, gan_step, loss_only, manual_ema_state, manual_ema_step, net, tta,
-                              wide, zero_to_zero)
+from models_zoo.steps import (
+    amp_state,
+    amp_step,
+    data,
+    ema_state,
+    ema_step,
+    frozen_net,
+    fused_state,
+    fused_step,
+    gan,
+    gan_data,
+    gan_state,
+    gan_step,
+    loss_only,
+    manual_ema_state,
+    manual_ema_step,
+    net,
+    tta,
+    wide,
+    zero_to_zero,
+)
 from validators.cpu import measure_cpu, measure_user_step
 
 TOLERANCE = 0.005

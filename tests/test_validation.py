@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from session_cache import compare
 from torch import nn
 
-from session_cache import compare
 from validators import zoo
 from validators.cpu import measure_cpu
 

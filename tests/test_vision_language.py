@@ -17,7 +17,8 @@ from estimator.capture import steps
 from validators.cpu import measure_cpu, measure_user_step
 
 transformers = pytest.importorskip("transformers")
-from validators.outside import llava as _make, llava_sample as _sample  # noqa: E402 (needs transformers)
+from validators.outside import llava as _make  # noqa: E402 (needs transformers)
+from validators.outside import llava_sample as _sample
 
 
 def _state(model):

@@ -10,6 +10,7 @@ import torch
 
 import models_zoo
 from estimator.capture import datadep
+from estimator.vocab.data_dependent import Policy
 from models_zoo import get, names, sizes
 
 EXPECTED_NAMES = ["mlp", "resnet", "unet", "vit", "gpt", "bert", "rnn", "lstm_lm", "lora", "tied_autoencoder", "llama", "convnets",
@@ -124,7 +125,7 @@ def test_real_sizes_forward_on_meta(name, size):
     model, make_sample, loss_fn = get(name, size, device="meta", dtype=torch.bfloat16 if name == "mixtral" else None)
     sample = to_device(make_sample(2), "meta")
     # meta tensors have no data: data-dependent sizes (x[mask], torch.where) take fxmem's bound
-    sizes_bound = datadep.DataDependent(datadep.Policy(), {}) if models_zoo.data_dependent(name) else nullcontext()
+    sizes_bound = datadep.DataDependent(Policy(), {}) if models_zoo.data_dependent(name) else nullcontext()
     with sizes_bound:
         loss = loss_fn(call(model, sample), sample)
     assert loss.dim() == 0

@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from estimator.capture import steps
-from estimator.vocab.categories import Mode
 from estimator.capture.checkpointing import checkpointing
+from estimator.vocab.categories import Mode
 from validators import steady
 from validators.steady import skipped, warm_up
 

@@ -26,8 +26,8 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from estimator.capture import steps as step
-from estimator.vocab.categories import Mode
 from estimator.devices.cuda_run import MAX_STEPS
+from estimator.vocab.categories import Mode
 from validators import steady
 from validators.steady import warm_up
 

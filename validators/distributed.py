@@ -477,8 +477,8 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     opt, _ = steps.prepare(submod, Mode.TRAIN, factory)
 
     if checkpoint is not None:
-        from estimator.vocab.strategy import Strategy
         from estimator.capture.checkpointing import checkpointing
+        from estimator.vocab.strategy import Strategy
 
         recompute = Strategy(checkpoint=checkpoint)
     else:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-
 import estimator
 import models_zoo
 from estimator.vocab.units import format_bytes, parse_bytes

@@ -10,10 +10,9 @@ import torch
 
 import estimator
 import models_zoo
-from estimator.capture import steps
-from estimator.capture import datadep
-from estimator.vocab.categories import Mode
+from estimator.capture import datadep, steps
 from estimator.corrections.cpu import host as cpu
+from estimator.vocab.categories import Mode
 from validators.cpu import measure_cpu
 
 MODES = ("train", "inference")

@@ -38,9 +38,8 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicC
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from estimator.capture import steps
+from estimator.capture import compiled, steps, watchdog
 from estimator.vocab.categories import Category
-from estimator.capture import compiled, watchdog
 from estimator.vocab.errors import CaptureError, InputError
 
 CPU = torch.device("cpu")

@@ -19,8 +19,8 @@ import warnings
 import torch
 from torch import nn
 
-from estimator.corrections.patches import patched
 from estimator.corrections import custom_ops
+from estimator.corrections.patches import patched
 from estimator.vocab.errors import CaptureError, FxmemError, SymbolicCaptureFailed
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

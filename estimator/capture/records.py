@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from estimator.capture import compiled, datadep
-from estimator.capture import steps
+from estimator.capture import compiled, steps
 from estimator.capture.tracker import OpEvent, Storage
 from estimator.vocab.categories import Mode
+from estimator.vocab.data_dependent import Policy, Site
 from estimator.vocab.strategy import DEFAULT, Strategy
 from estimator.vocab.target import TargetSpec
 
@@ -34,7 +34,7 @@ class StepSpec:
     target: TargetSpec = field(default_factory=TargetSpec)
     precision: steps.Precision = steps.FP32
     strategy: Strategy = DEFAULT
-    data_dependent: datadep.Policy = field(default_factory=datadep.Policy)  # sizes fake tensors cannot know
+    data_dependent: Policy = field(default_factory=Policy)  # sizes fake tensors cannot know
     batch_dims: tuple[int, ...] | None = None  # the batch dim of each leaf of tree_flatten(sample); None: dim 0
     keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
     step: steps.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
@@ -83,7 +83,7 @@ class RawCapture:
     # micro-batches does not divide: their coefficients in the step's b were rounded up
     rounded: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how host-measured kernels were priced (CPU target)
-    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b)
+    data_dependent: tuple[Site, ...] = ()  # the data-dependent sizes used (in b)
     freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
     marks: RunMarks = RunMarks()  # where a run's first step makes its state
     decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache

@@ -51,10 +51,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from estimator.capture.checkpointing import checkpointing
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.errors import InputError
-from estimator.capture.checkpointing import checkpointing
 from estimator.vocab.strategy import DEFAULT, Strategy
 
 LossFn = Callable[[Any, Any], torch.Tensor]

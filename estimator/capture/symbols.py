@@ -19,11 +19,11 @@ import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten
 
-from estimator.capture import datadep
 from estimator.capture.fake import SIZE_MAX
 from estimator.capture.graph import map_exprs
 from estimator.capture.records import RawCapture
 from estimator.capture.tracker import Storage, Tracker, as_expr
+from estimator.vocab.data_dependent import Site
 from estimator.vocab.errors import SequenceNotSymbolic, SymbolicCaptureFailed
 from estimator.vocab.symbolic import B, NotPolynomial, Poly, S
 
@@ -111,7 +111,7 @@ def _ceil_coefficients(expr: sympy.Expr) -> sympy.Expr:
 
 
 def to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: int = 1,
-                     sites: tuple[datadep.Site, ...] = ()) -> RawCapture:
+                     sites: tuple[Site, ...] = ()) -> RawCapture:
     """Map the batch symbols to ``b`` (and the sequence symbols to ``s``) and read the valid
     ranges from the guards.  With ``k`` micro-batches the batch symbol is the micro-batch
     ``m = b / k``."""

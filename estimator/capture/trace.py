@@ -30,21 +30,29 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections
-from estimator.corrections import custom_ops
-from estimator.capture import steps
-from estimator.capture import compiled, datadep, generation, isolation, phases, symbols, tracing
-from estimator.capture.fake import (RealTensors, fake_model, fake_sample, held_note, has_row_lists, isolated,
-                                    sample_rows, with_rows)
+from estimator.capture import compiled, datadep, generation, isolation, phases, steps, symbols, tracing
+from estimator.capture.checkpointing import checkpointing
+from estimator.capture.fake import (
+    RealTensors,
+    fake_model,
+    fake_sample,
+    has_row_lists,
+    held_note,
+    isolated,
+    sample_rows,
+    with_rows,
+)
 from estimator.capture.records import RawCapture, StepSpec
-from estimator.corrections.mode import Substitutions
 from estimator.capture.tracker import Storage, Tracker
 from estimator.capture.watchdog import Watchdog
-from estimator.vocab.categories import Born, Mode, Phase
-from estimator.corrections.cuda import autocast as cuda_autocast
-from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
-from estimator.capture.checkpointing import checkpointing
-from estimator.vocab.symbolic import B, Poly
+from estimator.corrections import custom_ops
 from estimator.corrections.cpu import host as cpu_target
+from estimator.corrections.cuda import autocast as cuda_autocast
+from estimator.corrections.mode import Substitutions
+from estimator.vocab.categories import Born, Mode, Phase
+from estimator.vocab.data_dependent import Policy
+from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
+from estimator.vocab.symbolic import B, Poly
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -101,7 +109,7 @@ def _at(exc: BaseException) -> str:
     return f"{exc}{f' (at {where})' if where else ''}"
 
 
-def _unreached(exc: datadep.NeedsProbe, policy: datadep.Policy) -> CaptureError:
+def _unreached(exc: datadep.NeedsProbe, policy: Policy) -> CaptureError:
     hint = ("; sizes at their bound change which values a step reads (a loop over the experts a router chose): "
             "data_dependent='sample' captures the program the sample runs" if not policy.needs_probe else "")
     return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it{hint}")
@@ -146,7 +154,7 @@ def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, probe_sample: 
     return raw
 
 
-def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> datadep.Policy:
+def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
     """``spec``'s policy with the sizes and values of one real forward and loss on ``sample``
     (the model's train/eval state, buffers and the RNG restored); for a user's step, one real
     run of that step on a copy of the model (its optimizer step must not change the user's)."""

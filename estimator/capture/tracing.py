@@ -27,9 +27,9 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from estimator.corrections.patches import patched_all
 from estimator.capture import datadep
 from estimator.corrections.data_sizes import active
+from estimator.corrections.patches import patched_all
 
 
 def _known(t) -> bool:

@@ -21,9 +21,9 @@ from estimator import corrections
 from estimator.capture import compiled
 from estimator.capture.grad_sums import GradSums
 from estimator.capture.graph import GraphRecorder
+from estimator.corrections.cpu.host import KernelCall
 from estimator.vocab.categories import Born, Category, Phase
 from estimator.vocab.symbolic import as_expr
-from estimator.corrections.cpu.host import KernelCall
 from estimator.vocab.target import TargetSpec
 
 # Ops that bookkeep rather than compute: never an allocation.

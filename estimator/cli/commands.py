@@ -72,8 +72,8 @@ def _estimate(opts: Options, run=None, **extra):
                                         "keep_output": opts.keep_output, "step": user_step, **extra}
     sample = built.sample
     if opts.generate is not None:  # generate() as it is: no strategy, no loss; the sample is a prompt
-        from estimator.vocab.errors import InputError
         from estimator.capture.steps import Generation
+        from estimator.vocab.errors import InputError
 
         if not isinstance(sample, dict) or "input_ids" not in sample:
             raise InputError(f"--generate needs a text model whose sample has input_ids; {built.label} has none")

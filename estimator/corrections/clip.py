@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from torch.nn.utils import clip_grad
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import foreach_support
+from estimator.vocab.categories import Target
 
 # clip_grad_norm_ and clip_grad_norm call these two; get_total_norm / clip_grads_with_norm_
 # are the same functions under their public names (torch/nn/utils/__init__.py).

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from estimator.vocab.categories import Target
 from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import fake_kernel, substitute
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 _BOTH = (Target.CPU, Target.CUDA)

@@ -49,8 +49,8 @@ from typing import Any
 import sympy
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections import registry
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import CaptureError, FxmemError, InputError
 from estimator.vocab.symbolic import as_expr
 

@@ -74,8 +74,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimator.corrections import data_sizes
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import bind, fake_kernel, fast_path, parallel_on_cpu, substitute
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import CaptureError
 from estimator.vocab.symbolic import as_expr
 

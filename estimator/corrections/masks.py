@@ -12,8 +12,8 @@ import sympy
 import torch
 
 from estimator.corrections import data_sizes
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, correction, is_contiguous, nbytes, numel, parallel_on_cpu
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

@@ -37,8 +37,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from estimator.corrections import data_sizes
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import substitute
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
 
 aten = torch.ops.aten

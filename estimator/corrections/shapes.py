@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch._refs
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import fake_kernel
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 

@@ -16,9 +16,9 @@ import enum
 from dataclasses import dataclass
 
 from estimator.account import Timeline
-from estimator.vocab.categories import Phase
 from estimator.corrections.cuda import not_modelled
 from estimator.devices.cuda_run import replay_run, replay_step
+from estimator.vocab.categories import Phase
 from estimator.vocab.gpus import cublas_workspace_bytes, cublaslt_extra_bytes
 from estimator.vocab.target import TargetSpec
 

@@ -40,8 +40,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from estimator.account import Timeline
-from estimator.vocab.categories import Birth, Category, Phase
 from estimator.devices.cuda_allocator import AllocatorConfig, AllocatorStats, CachingAllocatorModel
+from estimator.vocab.categories import Birth, Category, Phase
 
 MAX_STEPS = 16  # steps replayed at most
 STABLE = 4  # ... or until the figures have not changed for this many steps (a layout that drifts slowly)

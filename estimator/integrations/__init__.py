@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.vocab.errors import InputError
 from estimator.integrations import _common
+from estimator.vocab.errors import InputError
 
 SOURCES = ("transformers", "timm", "torchvision")
 

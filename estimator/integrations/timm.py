@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, image_loss, import_optional, pair, randn, suggest
+from estimator.vocab.errors import InputError
 
 _HUB_PREFIXES = ("hf-hub:", "hf_hub:", "local-dir:")
 

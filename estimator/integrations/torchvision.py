@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, image_loss, import_optional, pair, randn, suggest
+from estimator.vocab.errors import InputError
 
 VIDEO_FRAMES = 16
 DEFAULT_SIZE = 224

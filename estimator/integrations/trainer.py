@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.vocab.errors import InputError
 from estimator.integrations._common import import_optional, suggest
+from estimator.vocab.errors import InputError
 
 # -- Hugging Face ``Trainer``'s own optimizer step: report(step=trainer_step(), optimizer=trainer_optimizer()) --
 #

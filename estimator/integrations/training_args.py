@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from estimator.vocab.errors import InputError
 from estimator.integrations.trainer import (
     TrainerSettings,
     device_type_of,
@@ -34,6 +33,7 @@ from estimator.integrations.trainer import (
     unwrap_peft,
 )
 from estimator.integrations.transformers import make_sample
+from estimator.vocab.errors import InputError
 
 
 def from_training_args(model: nn.Module, args: Any, sample: Any = None, *, world_size: int = 1, **report_kwargs):

@@ -59,8 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.vocab.errors import InputError
 from estimator.integrations._common import building_on, import_optional, pair, randint, randn, suggest
+from estimator.vocab.errors import InputError
 
 DEFAULT_SEQ = 512  # the most tokens a default sample holds
 _HUB_ID = re.compile(r"^([\w.-]+/[\w.-]+)(?:@([\w./-]+))?$")  # org/name[@revision]

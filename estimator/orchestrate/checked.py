@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from estimator.capture import compiled, datadep
-from estimator.capture import steps
+from estimator.capture import compiled, steps
 from estimator.capture.fake import has_row_lists, row_list_tensors, row_lists
 from estimator.capture.records import StepSpec
 from estimator.vocab.categories import Mode
+from estimator.vocab.data_dependent import Policy
 from estimator.vocab.errors import InputError
 from estimator.vocab.request import DEFAULT_OPTIMIZER, DEVICES, Request
 from estimator.vocab.strategy import DEFAULT, Strategy, blocks, select
@@ -96,6 +96,9 @@ def check(request: Request) -> Checked:
         if given:
             raise InputError(f"mode='generate' runs model.generate() as it is: drop {', '.join(given)} (cast the "
                              "model, e.g. model.to(torch.bfloat16), for a low-precision generation)")
+        # generate() is captured as a step of its own (``steps.Generation`` is a step function: the
+        # prefill and the decode steps, in eval mode, no optimizer): from here on the capture runs
+        # it as it runs a user's step= (``StepSpec.step``), with ``mode`` GENERATE marking it.
         user_step = generation
     device_ = device_name(device)
     if loss_fn is not None and not callable(loss_fn):
@@ -120,7 +123,7 @@ def check(request: Request) -> Checked:
     amp, grad_scaler = _precision_of(strategy, amp, grad_scaler)
     precision = steps.Precision.of(amp, grad_scaler, mode_)
     spec = StepSpec(mode_, factory, loss_fn or steps.default_loss, target, precision, strategy,
-                    datadep.Policy.of(data_dependent), dims, keep_output is not False, user_step, compiled_as)
+                    Policy.of(data_dependent), dims, keep_output is not False, user_step, compiled_as)
     if mode_ is Mode.TRAIN and optimizer is None:
         notes.append("optimizer=None: no optimizer step and no optimizer state")
     if mode_ is not Mode.TRAIN and optimizer is not None and optimizer != DEFAULT_OPTIMIZER:

@@ -31,16 +31,16 @@ from typing import Any
 
 from torch import nn
 
-from estimator.capture import steps
 from estimator.account import CATEGORIES, OpMemory, Timeline, Vector
+from estimator.capture import steps
 from estimator.capture.dtypes import DTYPES, NAMES, cast, model_dtype, width
+from estimator.devices import cuda
 from estimator.orchestrate.path import Formula
+from estimator.reporting.dtypes import DtypeFormula, WidthLine, WidthPiece
 from estimator.vocab.categories import Phase
 from estimator.vocab.errors import CaptureError, InputError
-from estimator.reporting.dtypes import DtypeFormula, WidthLine, WidthPiece
 from estimator.vocab.strategy import Strategy
 from estimator.vocab.symbolic import ZERO, Poly, WidthPoly, nondominated
-from estimator.devices import cuda
 
 HIGH, LOW, CHECKED = "fp32", "bf16", "fp16"  # the two widths of the line, and the 16-bit dtype checked against it
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline
-from estimator.capture import datadep
 from estimator.capture import steps
 from estimator.devices import cuda, cudnn
 from estimator.orchestrate import dtype_formula
@@ -28,6 +27,7 @@ from estimator.ranks.per_rank import per_rank
 from estimator.reporting.result import Generated, ModuleRow, Piece, RankReport, Report
 from estimator.vocab import gpus
 from estimator.vocab.categories import Category, Mode, Phase
+from estimator.vocab.data_dependent import Policy, Source
 from estimator.vocab.errors import CaptureError, FxmemError, InputError
 from estimator.vocab.request import Request
 from estimator.vocab.strategy import Strategy
@@ -128,11 +128,11 @@ def _with_sample_sizes(checked: Checked, rep: Report) -> Report:
     (real weights) unless the sample's own values fix them; where they cannot be had, a note says
     why."""
     policy = checked.spec.data_dependent
-    bounded = {datadep.Source.BOUND, datadep.Source.BUDGET}
-    if policy != datadep.Policy() or not any(site.source in bounded for site in rep.data_dependent):
+    bounded = {Source.BOUND, Source.BUDGET}
+    if policy != Policy() or not any(site.source in bounded for site in rep.data_dependent):
         return rep
     sampled = dataclasses.replace(checked, spec=dataclasses.replace(checked.spec,
-                                                                    data_dependent=datadep.Policy.of("sample")))
+                                                                    data_dependent=Policy.of("sample")))
     try:
         at_sample = result(sampled, capture_step(sampled))
     except FxmemError as exc:

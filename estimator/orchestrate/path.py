@@ -17,12 +17,13 @@ from typing import Any
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
-from estimator.capture import compiled, datadep
+from estimator.capture import compiled
 from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
-from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
-from estimator.reporting.result import CapturePath
 from estimator.ranks.per_rank import RankStep
+from estimator.reporting.result import CapturePath
+from estimator.vocab.data_dependent import Site
+from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import ZERO, NotPolynomial, Poly
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Formula:
     seq: int | None
     seq_range: tuple[int, int | None] | None
     notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
-    data_dependent: tuple[datadep.Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
+    data_dependent: tuple[Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
     own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
 
     @property

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from estimator.ranks.rankstep import Op, Rank, RankStep
 from estimator.vocab.categories import Category, Phase
 from estimator.vocab.errors import InputError
-from estimator.ranks.rankstep import Op, Rank, RankStep
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

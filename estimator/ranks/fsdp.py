@@ -74,9 +74,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from estimator.ranks.rankstep import Block, Op, Rank, RankStep
 from estimator.vocab.categories import Category, Phase
 from estimator.vocab.errors import InputError
-from estimator.ranks.rankstep import Block, Op, Rank, RankStep
 from estimator.vocab.strategy import Sharding, blocks, select
 from estimator.vocab.symbolic import Poly
 

@@ -72,9 +72,9 @@ import dataclasses
 
 from torch import nn
 
+from estimator.ranks.rankstep import Block, Op, Rank, RankStep
 from estimator.vocab.categories import Category, Phase
 from estimator.vocab.errors import InputError
-from estimator.ranks.rankstep import Block, Op, Rank, RankStep
 from estimator.vocab.strategy import Schedule, blocks
 from estimator.vocab.symbolic import ZERO, Poly
 

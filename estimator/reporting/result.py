@@ -11,12 +11,12 @@ import sympy
 from torch import fx
 
 from estimator.account import Timeline
+from estimator.devices.cuda import CudaMemory, Overhead, predict, workspaces_held
+from estimator.reporting.dtypes import DtypeFormula
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.errors import InputError
-from estimator.reporting.dtypes import DtypeFormula
 from estimator.vocab.strategy import DEFAULT, Strategy
 from estimator.vocab.symbolic import ZERO, Poly, max_fitting, nondominated
-from estimator.devices.cuda import CudaMemory, Overhead
 from estimator.vocab.target import TargetSpec
 from estimator.vocab.units import as_int, parse_bytes
 
@@ -125,7 +125,7 @@ class Report:
     # Distributed strategies: each group of identical ranks' own report; this report is the
     # worst rank's, with ``pieces`` (so ``peak``, ``at``, ``max_batch``) the max over all ranks.
     ranks: tuple[RankReport, ...] = ()
-    # The data-dependent sizes the step used (``estimator.capture.datadep.Site``: the call site,
+    # The data-dependent sizes the step used (``estimator.vocab.data_dependent.Site``: the call site,
     # ``upper`` and ``used`` in b, and why), for ``report(data_dependent=)``.
     data_dependent: tuple = ()
     # The default bound's report has data-dependent sizes at their upper bound: the same step with
@@ -220,12 +220,10 @@ class Report:
         candidates = timeline.candidates()
         keep = nondominated([poly for poly, _ in candidates], self.valid_from, self.valid_to,
                             self.seq_range[0] if self.seq is not None else 0)
-        from estimator.devices import cuda as target
-
-        fixed = Poly.const(target.workspaces_held(timeline, self.target))  # as estimate._assemble's pieces
+        fixed = Poly.const(workspaces_held(timeline, self.target))  # as orchestrate.estimate._assemble's pieces
         cuda = None
         if self.cuda is not None:
-            cuda = target.predict(timeline.at_s(self.seq) if self.seq is not None else timeline, self.batch, self.target)
+            cuda = predict(timeline.at_s(self.seq) if self.seq is not None else timeline, self.batch, self.target)
         fewer = replace(g, new_tokens=n, cache_tokens=g.cache_tokens - (g.new_tokens - n))
         pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
         return replace(self, timeline=timeline, pieces=pieces, cuda=cuda, generation=fewer)
@@ -258,8 +256,6 @@ class Report:
         b, s = self._check_range(self.batch if b is None else b, s)
         if self.ranks:  # the rank whose device holds the most
             return max((r.report.on_device(b, s) for r in self.ranks), key=lambda m: m.device)
-        from estimator.devices.cuda import predict
-
         return predict(self.timeline.at_s(self.seq if s is None else s), b, self.target)
 
     def _device_bytes(self, b: int | None, s: int | None, limit: int) -> int:

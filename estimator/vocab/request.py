@@ -1,8 +1,9 @@
 """What the user asks for: ``Request``, the arguments of ``estimator.report`` as one value.
 
-``report(model, sample, **options)`` is ``estimate(Request(model, sample, **options))``; the
-command line, ``compare``, ``plan`` and the integrations build the same object, so an option
-means one thing everywhere.  Nothing here is checked: ``estimator.orchestrate.checked`` turns a
+``report(model, sample, **options)`` is ``estimate(Request(model, sample, **options))``;
+``compare`` and ``plan`` build the same object from the same options (once per strategy), and the
+command line and the integrations call those faces with them, so an option means one thing
+everywhere.  Nothing here is checked: ``estimator.orchestrate.checked`` turns a
 Request into the step the captures run, with an ``InputError`` that names each bad argument.
 ``report``'s docstring documents every field.
 """

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.categories import Target
 from estimator.vocab.errors import InputError
-from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.gpus import GpuSpec, resolve_gpu
 from estimator.vocab.units import MiB, parse_bytes
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import measured
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import Fix, correction
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 _WIDE = (torch.float64, torch.int64)

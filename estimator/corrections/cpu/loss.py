@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
@@ -43,6 +42,7 @@ from estimator.corrections.registry import (
     numel,
     parallel_on_cpu,
 )
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

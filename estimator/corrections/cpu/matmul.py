@@ -21,9 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from estimator.corrections.registry import (
+    MEASURE,
+    NO_FIX,
+    Fix,
+    correction,
+    in_reduced_precision,
+    is_gemm_ready,
+    leading_dimension_ok,
+)
 from estimator.vocab.categories import Target
-from estimator.corrections.registry import (MEASURE, NO_FIX, Fix, correction, in_reduced_precision, is_gemm_ready,
-                                           leading_dimension_ok)
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, fake_kernel, is_contiguous, measured
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import in_reduced_precision, is_contiguous, measured
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 

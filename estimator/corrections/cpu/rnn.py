@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import Fix, correction
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import SymbolicCaptureFailed
 from estimator.vocab.symbolic import as_expr
 

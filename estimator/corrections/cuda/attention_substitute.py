@@ -50,11 +50,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
 from estimator.corrections.cuda.attention_backends import HALF, Backend, hint, select_backend, static_int
 from estimator.corrections.mode import run_inside
 from estimator.corrections.registry import substitute
+from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
 

@@ -32,7 +32,6 @@ import math
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.cuda.attention_backends import (
     HALF,
     contiguous_hint,
@@ -42,6 +41,7 @@ from estimator.corrections.cuda.attention_backends import (
     static_int,
 )
 from estimator.corrections.registry import Fix, bind, correction
+from estimator.vocab.categories import Target
 from estimator.vocab.errors import SymbolicCaptureFailed
 from estimator.vocab.symbolic import as_expr
 

@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from estimator.corrections.cuda import Gap
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Target
-from estimator.corrections.cuda import Gap
 
 aten = torch.ops.aten
 AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU

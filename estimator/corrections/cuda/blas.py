@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, correction, is_gemm_ready, leading_dimension_ok
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

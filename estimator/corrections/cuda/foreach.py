@@ -18,8 +18,8 @@ import math
 import sympy
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import NO_FIX, Fix, aten, bind, correction, is_contiguous, numel
+from estimator.vocab.categories import Target
 
 K_CHUNK_SIZE = 65536  # kChunkSize, MultiTensorApply.cuh: elements one block reduces
 _FAST_ORDS = (1.0, 2.0, math.inf)  # use_slowpath: NormType::L1, L2, LInf

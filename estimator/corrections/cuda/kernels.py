@@ -64,10 +64,19 @@ import torch
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
-from estimator.vocab.categories import Target
 from estimator.corrections.cuda import Gap
-from estimator.corrections.registry import (NO_FIX, Fix, _row_major, bind, correction, is_contiguous, nbytes, numel,
-                                           substitute)
+from estimator.corrections.registry import (
+    NO_FIX,
+    Fix,
+    _row_major,
+    bind,
+    correction,
+    is_contiguous,
+    nbytes,
+    numel,
+    substitute,
+)
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections.registry import host_state, optimizer_rule
+from estimator.vocab.categories import Target
 
 _HOSTED = ("step", "mu_product")  # 0-dim state the optimizers create with torch.tensor(...) on CPU
 _ALWAYS_ON_DEVICE = (torch.optim.ASGD,)  # creates its step/eta/mu with device=p.device

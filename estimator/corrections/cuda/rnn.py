@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from estimator.vocab.categories import Target
 from estimator.corrections import packed
 from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import NO_FIX, Fix, bind, correction, nbytes, substitute
+from estimator.vocab.categories import Target
 from estimator.vocab.symbolic import as_expr
 
 aten = torch.ops.aten
