@@ -1,6 +1,7 @@
-"""The CUDA target's kernel entries (estimator/corrections/cuda/kernels.py, rnn.py) without a GPU:
-exact byte numbers on tiny modules (arithmetic in the comments, derived from the PyTorch sources
-cited in the entries' docstrings), and the CPU target unchanged for the same modules."""
+"""The CUDA target's kernel entries (estimator/corrections/cuda/kernels.py, pooling.py, rnn.py)
+without a GPU: exact byte numbers on tiny modules (arithmetic in the comments, derived from the
+PyTorch sources cited in the entries' docstrings), and the CPU target unchanged for the same
+modules."""
 
 from __future__ import annotations
 
@@ -362,3 +363,126 @@ def test_adaptive_average_pool_copies_a_gradient_it_reads_contiguous():
     sum's expanded gradient of a (2, 4, 3, 3) output, 288 B."""
     ops = _ops(_Pool(nn.AdaptiveAvgPool2d(3), False), torch.randn(2, 4, 8, 8), CUDA, loss=_pool_sum)
     assert _find(ops, "aten._adaptive_avg_pool2d_backward.default")[0][3] == [288]
+
+
+class _Laid(nn.Module):
+    """The pool on ``x * scale`` laid out in ``memory_format`` (a copy made before the pool)."""
+
+    def __init__(self, pool, memory_format):
+        super().__init__()
+        self.scale, self.pool, self.memory_format = nn.Parameter(torch.ones(())), pool, memory_format
+
+    def forward(self, x):
+        return self.pool((x * self.scale).contiguous(memory_format=self.memory_format))
+
+
+def _pool_square(out, sample):
+    return (out * out).sum()  # its gradient: 2 * out, laid out as the pool's output
+
+
+def _pool_scratch(model, x, name, loss=_pool_sum):
+    """(forward scratch, backward scratch) of the pool ``name`` in one CUDA-target step."""
+    ops = _ops(model, x, CUDA, loss=loss)
+    return _find(ops, f"{name}.default")[0][3], _find(ops, f"{name}_backward.default")[0][3]
+
+
+CL3D = torch.channels_last_3d
+
+
+def test_max_pool3d_copies_by_its_two_branches():
+    """cuda/DilatedMaxPool3d.cu.  x (2, 4, 6, 6, 6) fp32 = 2*4*216*4 = 6,912 B; kernel 3, stride 1,
+    padding 1: the output the same size (6,912 B), int64 indices 13,824 B.  Forward: contiguous
+    branch ``input.contiguous()``, channels-last-3d branch ``_input.contiguous(ChannelsLast3d)``;
+    backward: ``gradOutput`` and ``indices`` ``.contiguous(branch's format)``, the input never."""
+    x, name = torch.randn(2, 4, 6, 6, 6), "aten.max_pool3d_with_indices"
+    pool = nn.MaxPool3d(3, 1, 1)
+    # contiguous: nothing forward; the sum's stride-0 gradient copied (6,912 B), the indices not
+    assert _pool_scratch(_Pool(pool, False), x, name) == ([], [6912])
+    # a transposed map: the input copied (6,912 B); the input is not read in backward
+    assert _pool_scratch(_Pool(pool, True), x, name) == ([6912], [6912])
+    # channels-last-3d: that branch reads it as it is; indices made channels-last-3d, not copied
+    assert _pool_scratch(_Laid(pool, CL3D), x, name) == ([], [6912])
+    # ... and a gradient laid out as the output (2 * out, channels-last-3d): no copy at all
+    assert _pool_scratch(_Laid(pool, CL3D), x, name, _pool_square) == ([], [])
+
+
+def test_max_pool3d_unbatched_channels_last_branch():
+    """4-D input: ``channels_last = !input.unsqueeze(0).is_contiguous() &&
+    input.unsqueeze(0).is_contiguous(ChannelsLast3d)``.  x (C=4, 6, 6, 6) fp32 = 3,456 B."""
+    op, bwd = aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default
+    k = ([3, 3, 3], [1, 1, 1], [1, 1, 1], [1, 1, 1], False)
+    last = torch.randn(6, 6, 6, 4).permute(3, 0, 1, 2)  # channels innermost: that branch, no copy
+    out, indices = op(last, *k)
+    assert lookup(op, (last, *k), {}, (out, indices), Target.CUDA) == NO_FIX
+    # backward on that branch: a gradient channels-last-3d when unsqueezed is read as it is; a
+    # contiguous one is copied (3,456 B); the indices (channels-last-3d on the real forward) never
+    grad = torch.randn(6, 6, 6, 4).permute(3, 0, 1, 2)
+    assert lookup(bwd, (grad, last, *k, indices), {}, None, Target.CUDA) == NO_FIX
+    assert lookup(bwd, (out.contiguous(), last, *k, indices), {}, None, Target.CUDA).scratch == (3456,)
+    # H and W swapped: the contiguous branch copies the input (3,456 B)
+    swapped = torch.randn(4, 6, 6, 6).transpose(2, 3)
+    assert lookup(op, (swapped, *k), {}, op(swapped, *k), Target.CUDA).scratch == (3456,)
+
+
+def test_avg_pool3d_has_no_channels_last_branch():
+    """cuda/AveragePool3d.cu: ``input.contiguous()`` forward, ``gradOutput.contiguous()`` backward,
+    whatever the input's layout; the output is contiguous (``TORCH_META_FUNC(avg_pool3d)``).
+    x (2, 4, 6, 6, 6) fp32 = 6,912 B, output the same size."""
+    x, name, pool = torch.randn(2, 4, 6, 6, 6), "aten.avg_pool3d", nn.AvgPool3d(3, 1, 1)
+    assert _pool_scratch(_Pool(pool, False), x, name) == ([], [6912])  # the sum's gradient
+    assert _pool_scratch(_Pool(pool, True), x, name) == ([6912], [6912])  # + the transposed input
+    assert _pool_scratch(_Laid(pool, CL3D), x, name) == ([6912], [6912])  # channels-last-3d: copied
+    assert _pool_scratch(_Laid(pool, CL3D), x, name, _pool_square) == ([6912], [])  # 2 * out: contiguous
+
+
+def test_adaptive_max_pool2d_buffers_for_channels_last():
+    """cuda/AdaptiveMaxPooling2d.cu.  x (2, 4, 8, 8) fp32 = 2,048 B; output (2, 4, 3, 3) fp32 =
+    288 B, int64 indices 576 B, both in the input's suggested format (the meta function).
+    Forward: ``input.contiguous()`` (4-D) + ``output_c`` / ``indices_c`` where the outputs are not
+    contiguous; backward: ``gradOutput.contiguous()``, ``indices.contiguous()`` and ``gradInput_c``
+    where the grad input is not contiguous."""
+    x, name, pool = torch.randn(2, 4, 8, 8), "aten.adaptive_max_pool2d", nn.AdaptiveMaxPool2d(3)
+    assert _pool_scratch(_Pool(pool, False), x, name) == ([], [288])  # the sum's gradient
+    assert _pool_scratch(_Pool(pool, False), x, name, _pool_square) == ([], [])  # 2 * out: contiguous
+    assert _pool_scratch(_Pool(pool, True), x, name) == ([2048], [288])  # the transposed input
+    # channels-last: input 2,048 + output_c 288 + indices_c 576 = 2,912 forward; backward gradient
+    # (channels-last or stride 0) 288 + indices 576 + gradInput_c 2,048 = 2,912
+    cl = torch.channels_last
+    assert _pool_scratch(_Laid(pool, cl), x, name) == ([2912], [2912])
+    assert _pool_scratch(_Laid(pool, cl), x, name, _pool_square) == ([2912], [2912])
+    # a (2, 4, 1, 1) output is contiguous and channels-last at once: no output_c / indices_c, and
+    # 2 * out and the indices are contiguous: the input's copy (2,048 B), backward gradInput_c only
+    assert _pool_scratch(_Laid(nn.AdaptiveMaxPool2d(1), cl), x, name, _pool_square) == ([2048], [2048])
+
+
+@pytest.mark.parametrize("pool, name", [(nn.AdaptiveMaxPool3d(3), "aten.adaptive_max_pool3d"),
+                                        (nn.AdaptiveAvgPool3d(3), "aten._adaptive_avg_pool3d")])
+def test_adaptive_pool3d_copies_a_5d_input_not_contiguous(pool, name):
+    """cuda/AdaptiveMaxPooling3d.cu, cuda/AdaptiveAveragePooling3d.cu: ``input.ndimension() == 4 ?
+    input : input.contiguous()`` forward (no channels-last branch), ``gradOutput.contiguous()``
+    backward.  x (2, 4, 6, 6, 6) fp32 = 6,912 B; output (2, 4, 3, 3, 3) = 864 B."""
+    x = torch.randn(2, 4, 6, 6, 6)
+    assert _pool_scratch(_Pool(pool, False), x, name) == ([], [864])  # the sum's gradient
+    assert _pool_scratch(_Pool(pool, False), x, name, _pool_square) == ([], [])
+    assert _pool_scratch(_Pool(pool, True), x, name) == ([6912], [864])
+    assert _pool_scratch(_Laid(pool, CL3D), x, name, _pool_square) == ([6912], [])
+    # unbatched (4, 6, 6, 6), H and W swapped: read through its strides, no copy
+    assert _pool_scratch(_Pool(pool, True), torch.randn(4, 6, 6, 6), name, _pool_square) == ([], [])
+
+
+def test_channels_last_3d_suggestion_is_torch_s():
+    """``_suggested_channels_last_3d`` (a port of ``is_channels_last_strides_3d_s5``) answers as
+    torch's ``suggest_memory_format`` for every permutation of 5-D tensors with size-1 dims and
+    slices (concrete strides)."""
+    import itertools
+
+    from torch._prims_common import suggest_memory_format
+
+    from estimator.corrections.cuda.pooling import _suggested_channels_last_3d
+
+    for shape in [(2, 4, 6, 5, 3), (1, 4, 1, 1, 1), (2, 1, 3, 3, 3), (2, 3, 1, 4, 1), (1, 1, 1, 1, 1)]:
+        for perm in itertools.permutations(range(5)):
+            t = torch.empty(shape).permute(perm)
+            for view in (t, t[..., ::2], t[:, :, :1]):
+                want = suggest_memory_format(view) == CL3D
+                assert _suggested_channels_last_3d(view) == want, (view.shape, view.stride())

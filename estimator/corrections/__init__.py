@@ -1,10 +1,10 @@
 """Per-op knowledge by target, one registry (``registry.py``); the entries live by target and
 op family: ``cpu/`` (measured on the host: convolution, batch norm, flash attention,
 low-precision matmuls and reductions; oneDNN RNN, losses), ``cuda/`` (attention backends,
-fused kernels, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py`` (fake kernels that
-would fix a symbolic size, for every target), ``composite.py`` (C++ composites whose branch for
-tensor subclasses, fake tensors included, differs in memory from the real tensors' one, for
-every target).
+fused kernels, pooling copies, cuDNN RNN, autocast lists, optimizer defaults), ``shapes.py``
+(fake kernels that would fix a symbolic size, for every target), ``composite.py`` (C++
+composites whose branch for tensor subclasses, fake tensors included, differs in memory from the
+real tensors' one, for every target).
 
 Importing this package registers every entry.
 """
@@ -21,6 +21,7 @@ from estimator.corrections.cpu import foreach as cpu_foreach  # noqa: F401  (a w
 from estimator.corrections.cuda import attention_substitute, attention_workspaces  # noqa: F401  (SDPA)
 from estimator.corrections.cuda import blas, kernels, optim  # noqa: F401
 from estimator.corrections.cuda import foreach  # noqa: F401  (_foreach_norm's per-chunk buffer)
+from estimator.corrections.cuda import pooling  # noqa: F401  (pooling kernels' layout copies)
 from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (
     NO_FIX,

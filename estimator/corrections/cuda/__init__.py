@@ -21,9 +21,9 @@ class Gap:
 
 def not_modelled(ran: Iterable[str] | None = None) -> tuple[str, ...]:
     """The gaps that apply to a step that ran the aten ops ``ran`` (None: every gap)."""
-    from estimator.corrections.cuda import attention_substitute, autocast, kernels, optim, rnn
+    from estimator.corrections.cuda import attention_substitute, autocast, kernels, optim, pooling, rnn
 
     ran = None if ran is None else set(ran)
-    modules = (attention_substitute, autocast, kernels, optim, rnn)
+    modules = (attention_substitute, autocast, kernels, pooling, optim, rnn)
     gaps = (gap for module in modules for gap in getattr(module, "NOT_MODELLED", ()))
     return tuple(gap.text for gap in gaps if ran is None or gap.applies(ran))

@@ -1,4 +1,5 @@
-"""CUDA target entries: the kernels other than attention (``attention_*.py``) and RNNs (``rnn.py``).
+"""CUDA target entries: the kernels other than attention (``attention_*.py``), RNNs (``rnn.py``)
+and pooling (``pooling.py``).
 
 Sources read (no GPU was available: every number below is derived from the source, not
 measured; ``tests/test_cuda_kernels.py`` checks the arithmetic on tiny modules):
@@ -68,10 +69,8 @@ from estimator.corrections.cuda import Gap
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
-    _row_major,
     bind,
     correction,
-    is_contiguous,
     nbytes,
     numel,
     substitute,
@@ -433,56 +432,3 @@ def huber_loss(args, kwargs, out) -> Fix:
     kernel, ``apply_loss_reduction`` -> ``loss.mean()`` / ``sum()``: a fresh scalar (the output)
     while ``loss`` is alive.  In-op extra: N (CPU: N + 12, the wrapped scalar of ``div_``)."""
     return _loss_fix(aten.huber_loss.default, args, kwargs, out, lambda n, s: n, False)
-
-
-def _suggested_channels_last(x: torch.Tensor) -> bool:
-    """``input.suggest_memory_format() == ChannelsLast`` for a 4-D input, from its strides without
-    a guard: row-major in (N, H, W, C) order and not in (N, C, H, W) order (a tensor both are, a
-    size-1 channel or map, is taken as contiguous)."""
-    if x.dim() != 4 or is_contiguous(x):
-        return False
-    order = (0, 2, 3, 1)
-    return _row_major([x.shape[d] for d in order], [x.stride(d) for d in order])
-
-
-def _copy_bytes(t: torch.Tensor, channels_last: bool):
-    """Bytes ``t.contiguous(memory_format)`` allocates: 0 when ``t`` is already laid out so."""
-    if channels_last:
-        order = (0, 2, 3, 1)
-        laid_out = _row_major([t.shape[d] for d in order], [t.stride(d) for d in order])
-    else:
-        laid_out = is_contiguous(t)
-    return 0 if laid_out else nbytes(t)
-
-
-@correction(aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, targets=Target.CUDA)
-def pool2d_input_copy(args, kwargs, out) -> Fix:
-    """``max_pool2d_with_indices_out_cuda`` (cuda/DilatedMaxPool2d.cu) and ``avg_pool2d_out_cuda``
-    (cuda/AveragePool2d.cu): ``memory_format = input_.suggest_memory_format(); input =
-    input_.contiguous(memory_format)``: a copy of an input laid out otherwise (a transposed map),
-    alive during the op."""
-    x = args[0]
-    copy = _copy_bytes(x, _suggested_channels_last(x))
-    return Fix(scratch=(copy,)) if copy else NO_FIX
-
-
-@correction(aten.max_pool2d_with_indices_backward.default, aten.avg_pool2d_backward.default, targets=Target.CUDA)
-def pool2d_backward_copies(args, kwargs, out) -> Fix:
-    """The backward kernels of the same files: ``input = input_.contiguous(memory_format)`` and
-    ``gradOutput = gradOutput_.contiguous(memory_format)`` (``memory_format`` the input's
-    suggestion), both alive during the op: the gradient of a ``sum`` of the pool's output is an
-    expanded (stride-0) tensor, a copy of the output's size."""
-    grad, x = args[0], args[1]
-    channels_last = _suggested_channels_last(x)
-    copies = _copy_bytes(x, channels_last) + _copy_bytes(grad, channels_last)
-    return Fix(scratch=(copies,)) if copies else NO_FIX
-
-
-@correction(aten._adaptive_avg_pool2d_backward.default, targets=Target.CUDA)
-def adaptive_avg_pool2d_backward_copy(args, kwargs, out) -> Fix:
-    """``adaptive_avg_pool2d_backward_out_cuda_template`` (cuda/AdaptiveAveragePooling.cu): on the
-    ``Contiguous`` branch ``gradOutput = gradOutput_.contiguous()`` (the channels-last branch reads
-    ``gradOutput_`` through its strides): a copy of a gradient laid out otherwise, e.g. a sum's."""
-    grad, x = args[0], args[1]
-    copy = 0 if _suggested_channels_last(x) else _copy_bytes(grad, False)
-    return Fix(scratch=(copy,)) if copy else NO_FIX
