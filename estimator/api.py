@@ -186,7 +186,8 @@ def report(
         True
 
     Known limitations: memory must be polynomial in ``b`` (models whose batch rows interact
-    through data-dependent shapes cannot be captured); sample tensors become contiguous.
+    through data-dependent shapes cannot be captured); a sample tensor with gaps (a slice of a
+    larger one) is taken as contiguous (dense ones keep their layout: channels-last, transposed).
     """
     return estimate(Request(
         model, sample, batch=batch, mode=mode, optimizer=optimizer, loss_fn=loss_fn, device=device, gpu=gpu,

@@ -117,6 +117,35 @@ def test_layer_norm_fp32_is_the_same_on_both_targets():
     assert _forward_backward(_ops(model, x, CPU)) == _forward_backward(_ops(model, x, CUDA))
 
 
+class _LN2dGroupNorm(nn.Module):
+    """A channels-last map into a GroupNorm (ConvNeXt's LayerNorm2d before a GroupNorm)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.ln, self.gn = nn.LayerNorm(c), nn.GroupNorm(2, c)
+
+    def forward(self, x):
+        return self.gn(self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def test_group_norm_buffers_on_cuda():
+    # N = 2, C = 8, HxW = 16 * 16, G = 2, fp32 (kAccType fp32, 4 B).  Forward, affine: a and b,
+    # (N, C) each: 2 * 2 * 8 * 4 = 128.  Backward (dX wanted, weight, HxW > 1): ds, db (N, C),
+    # c1 (N, G, D) = N * C, c2, c3 (N, G): (3 * 16 + 2 * 4) * 4 = 224
+    gpu = _ops(nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8)), torch.randn(2, 3, 16, 16), CUDA)
+    assert _find(gpu, "aten.native_group_norm.default")[0][3] == [128]
+    assert _find(gpu, "aten.native_group_norm_backward.default")[0][3] == [224]
+
+
+def test_group_norm_of_a_channels_last_map_on_cuda():
+    # CUDA runs native_group_norm on X.contiguous() (group_norm.cpp: Contiguous off the CPU): the
+    # channels-last map (2 * 8 * 16 * 16 * 4 = 16384 B) is copied in the forward (16384 + 128);
+    # the backward copies it again and the loss's expanded gradient (dY.contiguous()): 2 * 16384 + 224
+    gpu = _ops(_LN2dGroupNorm(), torch.randn(2, 8, 16, 16), CUDA)
+    assert _find(gpu, "aten.native_group_norm.default")[0][3] == [16384 + 128]
+    assert _find(gpu, "aten.native_group_norm_backward.default")[0][3] == [2 * 16384 + 224]
+
+
 def _meta_ln_backward(M, N, rms=False):
     x = torch.empty(M, N, device="meta")
     w = torch.empty(N, device="meta")

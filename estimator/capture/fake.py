@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm as physical_order
+from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -233,8 +235,10 @@ def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
     by their size in the sample (which must differ from ``batch``: duck sizing would merge
     the two symbols).  The same tensor object under two names stays one tensor.
 
-    Known limitations: sample tensors become contiguous, and distinct sample tensors that
-    share a storage (one a view of another) become separate storages.
+    A dense sample tensor keeps its layout (a channels-last image: the convolutions that read it
+    take the channels-last path, as for real); one with gaps (a slice) becomes contiguous, and
+    distinct sample tensors that share a storage (one a view of another) become separate
+    storages: known limitations.
     """
     converted: dict[int, torch.Tensor] = {}
     seq_dims = seq_dims or {}
@@ -246,7 +250,8 @@ def fake_sample(sample: Any, mode: FakeTensorMode, batch: int, symbolic: bool,
             shape = list(t.shape)
             if d is not None:  # (None: a tensor of one row of a row list, static)
                 shape[d] = batch
-            meta = torch.empty(shape, dtype=t.dtype, device="meta")
+            meta = (torch.empty(shape, dtype=t.dtype, device="meta") if t.is_contiguous() or not dense(t)
+                    else torch.empty_permuted(shape, physical_order(t)[0], dtype=t.dtype, device="meta"))
             ctx = None
             if symbolic and d is not None:
                 dynamic = [DimDynamic.STATIC] * t.dim()

@@ -273,7 +273,7 @@ class Tracker(TorchDispatchMode):
         if fix.measure:
             event.kernel = KernelCall.of(func, args, kwargs, index, [
                 (new[id(t)], self.storages[new[id(t)]].nbytes) if id(t) in new else None for t in leaves
-            ])
+            ], grad=fix.measure_with_grad)
         if self.phase is Phase.OPTIMIZER:
             event.owner = self._own_outputs(args, outputs, event.allocs)
         return out

@@ -26,7 +26,7 @@ from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
-from estimator.corrections.patches import patched
+from estimator.corrections.patches import patched_all
 from estimator.corrections.registry import fast_path_checks_enter, fast_path_checks_exit, substitution
 
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
@@ -84,14 +84,18 @@ def _no_torch_function(*_args) -> bool:
     return False
 
 
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
 def run_inside(spec, func, args, kwargs):
     """Run the ``torch.nn.functional`` function ``func`` with the substitution mode of ``spec``
     active, so that the torch functions it calls get their substitutes.
 
     A Python function of ``torch.nn.functional`` that starts with ``if
-    has_torch_function(...): return handle_torch_function(...)`` (``multi_head_attention_forward``)
-    is dispatched to the mode, which calls it with the mode popped: the functions it calls would
-    then run unsubstituted.  Here its body runs with a mode pushed again and its own re-dispatch
-    check off (``F.has_torch_function``, the name such functions look up in their module)."""
-    with patched(F, "has_torch_function", _no_torch_function), Substitutions(spec):
+    has_torch_function(...): return handle_torch_function(...)`` (``multi_head_attention_forward``;
+    ``has_torch_function_unary`` in ``interpolate``) is dispatched to the mode, which calls it with
+    the mode popped: the functions it calls would then run unsubstituted.  Here its body runs with
+    a mode pushed again and its own re-dispatch checks off (``_CHECKS``, the names such functions
+    look up in their module)."""
+    with patched_all((F, name, _no_torch_function) for name in _CHECKS), Substitutions(spec):
         return func(*args, **kwargs)

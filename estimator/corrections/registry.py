@@ -79,11 +79,13 @@ class Fix:
     scratch: tuple[Any, ...] = ()
     outputs: Any = None
     measure: bool = False
+    measure_with_grad: bool = False  # measured with GradMode on (the kernel reads it: ``measured(grad_mode=)``)
     saved_scalars: int = 0  # wrapped Python numbers (8 B each) autograd keeps for backward (CPU)
 
 
 NO_FIX = Fix()
 MEASURE = Fix(measure=True)
+MEASURE_IN_GRAD_MODE = Fix(measure=True, measure_with_grad=True)
 CorrectionFn = Callable[..., Fix]
 # fn(target_spec, func, args, kwargs) -> the function's result, or NotImplemented to run func.
 SubstituteFn = Callable[..., Any]
@@ -121,14 +123,20 @@ def correction(*ops, targets: Iterable[Target]) -> Callable[[CorrectionFn], Corr
     return register
 
 
-def measured(*ops, targets: Iterable[Target]) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+def measured(*ops, targets: Iterable[Target], grad_mode: bool = False
+             ) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
     """Register ``applies(args, kwargs, out) -> bool`` for each op in ``ops``: where it returns
     True, the call's memory is measured on the host (``Fix(measure=True)``); else nothing is
-    corrected.  One entry per (target, op), like ``@correction``."""
+    corrected.  One entry per (target, op), like ``@correction``.  ``grad_mode``: the kernel
+    itself reads ``at::GradMode::is_enabled()`` (oneDNN's LSTM keeps a workspace for backward
+    only then), so the call is measured in the grad mode the step ran it in (else under
+    ``no_grad``)."""
 
     def register(applies: Callable[..., bool]) -> Callable[..., bool]:
         def fix(args, kwargs, out) -> Fix:
-            return MEASURE if applies(args, kwargs, out) else NO_FIX
+            if not applies(args, kwargs, out):
+                return NO_FIX
+            return MEASURE_IN_GRAD_MODE if grad_mode and torch.is_grad_enabled() else MEASURE
 
         fix.__doc__, fix.__name__ = applies.__doc__, applies.__name__
         correction(*ops, targets=targets)(fix)

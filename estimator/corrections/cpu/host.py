@@ -100,9 +100,10 @@ class KernelCall:
     kwargs: Any
     op: int  # index of the op in the capture
     outputs: tuple[tuple[int, Any] | None, ...]  # per flat output: (storage key, fake nbytes) if new, else None
+    grad: bool = False  # run with GradMode on (a kernel that reads it: ``registry.measured(grad_mode=True)``)
 
     @staticmethod
-    def of(func, args, kwargs, op: int, outputs: Sequence[tuple[int, Any] | None]) -> KernelCall:
+    def of(func, args, kwargs, op: int, outputs: Sequence[tuple[int, Any] | None], grad: bool = False) -> KernelCall:
         def describe(x):
             if isinstance(x, torch.Tensor):
                 return TensorArg(tuple(as_expr(s) for s in x.shape), tuple(as_expr(s) for s in x.stride()), x.dtype)
@@ -110,7 +111,7 @@ class KernelCall:
                 return as_expr(x)
             return x
 
-        return KernelCall(func, _map(describe, tuple(args)), _map(describe, dict(kwargs)), op, tuple(outputs))
+        return KernelCall(func, _map(describe, tuple(args)), _map(describe, dict(kwargs)), op, tuple(outputs), grad)
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,11 @@ class Concrete:
     func: Any
     args: Any
     kwargs: Any
+    grad: bool = False
 
     @functools.cached_property
     def key(self) -> str:
-        return f"{self.func}|{self.args!r}|{sorted(self.kwargs.items())!r}"
+        return f"{self.func}|{self.args!r}|{sorted(self.kwargs.items())!r}" + ("|grad" if self.grad else "")
 
     def nbytes(self) -> int:
         leaves = _leaves((self.args, self.kwargs))
@@ -354,7 +356,7 @@ def _run(calls: list[Concrete]) -> list[Measured | None]:
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)}
             try:
-                with record_function(f"fxmem.kernel.{i}"):
+                with torch.set_grad_enabled(call.grad), record_function(f"fxmem.kernel.{i}"):
                     out = call.func(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001  (the op rejects what the fake kernel took: named in the notes)
                 _FAILED[call.key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -505,7 +507,7 @@ def price(calls: Sequence[KernelCall], storages: dict, ops: Sequence, *, batch: 
         if key not in memo:
             to_int = functools.partial(_to_int, subs={} if concrete else values(m))
             spec = Concrete(call.func, _map(lambda x: _concrete(x, to_int), call.args),
-                            _map(lambda x: _concrete(x, to_int), call.kwargs))
+                            _map(lambda x: _concrete(x, to_int), call.kwargs), call.grad)
             memo[key] = spec, {e[0]: to_int(e[1]) for e in call.outputs if e is not None}
         return memo[key]
 

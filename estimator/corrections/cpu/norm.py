@@ -1,4 +1,4 @@
-"""Batch and layer normalization on the CPU: measured on the host.
+"""Batch, layer and group normalization on the CPU: measured on the host.
 
 ``batch_norm_cpu`` (aten/src/ATen/native/Normalization.cpp, kernels in
 aten/src/ATen/native/cpu/batch_norm_kernel.cpp) allocates per-channel statistics and, for
@@ -12,6 +12,12 @@ non-contiguous input (ConvNeXt's ``LayerNorm2d``: ``norm(x.permute(0, 2, 3, 1))`
 copied, an input-sized buffer the meta kernel does not show; those calls are measured too.  Its
 backward reduces the weight's and bias's gradients through a per-thread buffer, computed from
 the source and the threads this process runs with (``layer_norm_backward``).
+
+``GroupNormKernelImpl`` / ``GroupNormBackwardKernelImpl`` (aten/src/ATen/native/cpu/
+group_norm_kernel.cpp) allocate besides their outputs: the backward ``ds`` and ``db``
+(``at::empty({N, C})`` in the accumulation type), the channels-last forward and backward per-thread
+buffers (sized by the thread count); measured ``[.., 32, 32, -32, -32]`` for the backward at N = 1,
+C = 8: a 32 B under-estimate at b = 1 where it was the step's peak.  Every call is measured.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from estimator.corrections.registry import MEASURE, NO_FIX, Fix, correction, fake_kernel, is_contiguous, measured
 from estimator.vocab.categories import Target
@@ -39,6 +46,13 @@ aten = torch.ops.aten
 )
 def batch_norm(args, kwargs, out) -> bool:
     """Every CPU batch norm call, forward and backward."""
+    return True
+
+
+@measured(aten.native_group_norm.default, aten.native_group_norm_backward.default, targets=Target.CPU)
+def group_norm(args, kwargs, out) -> bool:
+    """Every group norm call, forward and backward: the kernel's buffers depend on the layout,
+    the dtype and the thread count."""
     return True
 
 
@@ -65,6 +79,39 @@ def layer_norm_backward(args, kwargs, out) -> Fix:
         return NO_FIX
     n = math.prod(as_expr(d) for d in normalized_shape)
     return Fix(scratch=(2 * torch.get_num_threads() * n * x.element_size(),))
+
+
+def _group_norm_layout(cpu: bool):
+    """``native_group_norm`` / ``native_group_norm_backward`` (aten/src/ATen/native/group_norm.cpp)
+    as the real kernels lay their tensors out: ``memory_format = X.device().is_cpu() ?
+    X.suggest_memory_format() : Contiguous; X_ = X.contiguous(memory_format)`` (``dY`` too), the
+    output (``dX``) ``at::empty_like(X_)``.  The meta kernels give a size-1 batch's channels-last
+    output a batch stride of C where ``empty_like`` keeps X's C·H·W, which the next convolution
+    reads as contiguous (oneDNN's other path: 2,304 B under at b = 1).  The copies ``contiguous``
+    makes are the kernels' scratch: measured on the CPU, priced on CUDA
+    (``corrections/cuda/kernels.py``)."""
+
+    def layout(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=suggest_memory_format(x) if cpu else torch.contiguous_format)
+
+    def forward(input, weight, bias, N, C, HxW, group, eps):
+        x = layout(input)
+        _, mean, rstd = aten.native_group_norm.default(x, weight, bias, N, C, HxW, group, eps)
+        return torch.empty_like(x), mean, rstd
+
+    def backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+        x = layout(input)
+        _, dgamma, dbeta = aten.native_group_norm_backward.default(layout(grad_out), x, mean, rstd, weight, N, C, HxW,
+                                                                   group, output_mask)
+        return torch.empty_like(x) if output_mask[0] else None, dgamma, dbeta
+
+    return forward, backward
+
+
+for _target, _cpu in ((Target.CPU, True), (Target.CUDA, False)):
+    _forward, _backward = _group_norm_layout(_cpu)
+    fake_kernel(aten.native_group_norm.default, targets=_target)(_forward)
+    fake_kernel(aten.native_group_norm_backward.default, targets=_target)(_backward)
 
 
 @fake_kernel(aten.native_layer_norm.default, targets=(Target.CPU, Target.CUDA))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from estimator.corrections.registry import in_reduced_precision, is_contiguous, measured
+from estimator.corrections.registry import MEASURE, Fix, correction, in_reduced_precision, is_contiguous, measured
 from estimator.vocab.categories import Target
 
 aten = torch.ops.aten
@@ -54,12 +54,25 @@ def strided_pool(args, kwargs, out) -> bool:
     return _strided(args, kwargs) or in_reduced_precision(args, kwargs)
 
 
-@measured(aten.mean.default, aten.mean.dim, aten.sum.default, aten.sum.dim_IntList, targets=Target.CPU)
+@measured(aten.sum.default, aten.sum.dim_IntList, targets=Target.CPU)
 def reduced_precision_reduction(args, kwargs, out) -> bool:
-    """A reduction of a bf16/fp16 tensor (fp32 tensors: the fake is exact), or
-    the ``sum`` of a bool or integer tensor narrower than int64 (the result is int64: the kernel
-    sums an int64 copy of every element, measured ``[8, 8000, -8000, -8]`` for 1,000 bools --
-    what ``mask.sum()`` costs; ``count_nonzero`` does not copy)."""
+    """A ``sum`` of a bf16/fp16 tensor (fp32 tensors: the fake is exact), or of a bool or integer
+    tensor narrower than int64 (the result is int64: the kernel sums an int64 copy of every
+    element, measured ``[8, 8000, -8000, -8]`` for 1,000 bools -- what ``mask.sum()`` costs;
+    ``count_nonzero`` does not copy)."""
     x = args[0] if args else kwargs.get("self")
     widened = out.dtype == torch.int64 and x.dtype != torch.int64 and not x.is_floating_point()
     return in_reduced_precision(args, kwargs) or widened
+
+
+@correction(aten.mean.default, aten.mean.dim, targets=Target.CPU)
+def mean(args, kwargs, out) -> Fix:
+    """A ``mean`` of a bf16/fp16 tensor is measured (above).  Any other: ``mean_out`` in
+    aten/src/ATen/native/ReduceOps.cpp runs ``at::sum_out(result, ...).div_(dim_prod)`` on the
+    CPU; ``div_`` of the int64 count wraps it in a CPU scalar tensor (8 B) and TensorIterator casts
+    that to the result's dtype (its element size) -- both alive inside the op, the input's size
+    irrelevant: measured ``[out, 8, 4, -4, -8]`` for fp32, ``[out, 8, 8, -8, -8]`` for fp64 and
+    complex64 (a 12 B under-estimate where a mean is the step's peak)."""
+    if in_reduced_precision(args, kwargs):
+        return MEASURE
+    return Fix(scratch=(8 + out.element_size(),))

@@ -71,6 +71,7 @@ from estimator.corrections.registry import (
     Fix,
     bind,
     correction,
+    is_contiguous,
     nbytes,
     numel,
     substitute,
@@ -228,6 +229,44 @@ def batch_norm_stats_fp32(args, kwargs, out) -> Fix:
         return NO_FIX
     extra = numel(out[1]) * (4 - out[1].element_size())
     return Fix(output_bytes={1: extra, 2: extra})
+
+
+def _group_norm_acc(x: torch.Tensor) -> int:
+    """``kAccType`` of cuda/group_norm_kernel.cu: fp32 for fp16/bf16 inputs, else the input's."""
+    return 4 if x.dtype in _HALF else x.element_size()
+
+
+@correction(aten.native_group_norm.default, targets=Target.CUDA)
+def group_norm_fused_params(args, kwargs, out) -> Fix:
+    """``native_group_norm`` (group_norm.cpp) on CUDA runs on ``X.contiguous()`` (a copy of an
+    input laid out otherwise, channels-last included); ``GroupNormKernelImplInternal``
+    (cuda/group_norm_kernel.cu), with an affine weight or bias and ``HxW > 1``, holds the fused
+    scale and shift in ``a = at::empty({N, C}, kAccType)`` and ``b``; ``HxW == 1``
+    (``GroupNorm1dForward``) and the non-affine path allocate nothing more.  All alive to the end
+    of the op."""
+    x, weight, bias, n, c, hxw = args[:6]
+    scratch = 0 if is_contiguous(x) else nbytes(x)
+    if (weight is not None or bias is not None) and as_expr(hxw) != 1:
+        scratch += 2 * as_expr(n) * as_expr(c) * _group_norm_acc(x)
+    return Fix(scratch=(scratch,)) if scratch else NO_FIX
+
+
+@correction(aten.native_group_norm_backward.default, targets=Target.CUDA)
+def group_norm_backward_buffers(args, kwargs, out) -> Fix:
+    """``GroupNormBackwardKernelImplInternal`` (cuda/group_norm_kernel.cu): ``ds``, ``db`` =
+    ``at::empty({N, C}, kAccType)`` always; for the input's gradient ``c2``, ``c3`` =
+    ``at::empty({N, G}, kAccType)`` and, with a weight and ``HxW > 1``, ``c1`` (``empty({0})``
+    resized by its TensorIterator to ``(N, G, D)``: ``N * C``); ``HxW == 1``
+    (``GroupNorm1dBackward``) makes ``c2``, ``c3`` only; and ``native_group_norm_backward``
+    (group_norm.cpp) reads ``dY.contiguous()`` and ``X.contiguous()``: copies of either laid out
+    otherwise.  All alive to the end of the op."""
+    grad, x, weight, n, c, hxw, group, mask = args[0], args[1], args[4], *args[5:10]
+    n, c, group = as_expr(n), as_expr(c), as_expr(group)
+    elements = 2 * n * c
+    if mask[0]:
+        elements += 2 * n * group + (n * c if weight is not None and as_expr(hxw) != 1 else 0)
+    copies = sum(0 if is_contiguous(t) else nbytes(t) for t in (grad, x))
+    return Fix(scratch=(elements * _group_norm_acc(x) + copies,))
 
 
 def _sm_count(spec) -> int:
