@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from estimator.corrections import data_sizes
+from estimator.corrections.composite import run_rnn
 from estimator.corrections.registry import substitute
 from estimator.vocab.categories import Target
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
@@ -160,7 +161,9 @@ def is_packed(args) -> bool:
 
 @substitute(*RNNS, targets=Target.CPU)  # the CUDA target's cuDNN substitute calls ``rnn`` for these
 def packed_rnn(spec, func, args, kwargs):
-    return rnn(func, args, kwargs) if is_packed(args) else NotImplemented
+    """A packed RNN (``rnn``); a padded one with its input projection as real tensors run it
+    (``composite.run_rnn``)."""
+    return rnn(func, args, kwargs) if is_packed(args) else run_rnn(func, args, kwargs)
 
 
 @substitute(torch._VF._pad_packed_sequence, targets=_BOTH)
