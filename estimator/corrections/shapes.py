@@ -35,14 +35,12 @@ def constant_pad_nd(self, pad, value=0):
 # ``c10::checked_convert<int64_t>(input_size[i + 2] * scale_factors[i])`` (truncation), then the
 # ``.default`` overload the composite calls, with ``get_scale_value``'s per-dim scales.  The ops
 # recorded and what autograd saves are the real run's.
-_UPSAMPLE = {
-    getattr(torch._C._nn, name): (getattr(aten, name).default, align)
-    for name, align in (("upsample_nearest1d", False), ("upsample_nearest2d", False), ("upsample_nearest3d", False),
-                        ("_upsample_nearest_exact1d", False), ("_upsample_nearest_exact2d", False),
-                        ("_upsample_nearest_exact3d", False), ("upsample_linear1d", True),
-                        ("upsample_bilinear2d", True), ("upsample_bicubic2d", True), ("upsample_trilinear3d", True),
-                        ("_upsample_bilinear2d_aa", True), ("_upsample_bicubic2d_aa", True))
-}
+_NEAREST = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+            "_upsample_nearest_exact2d", "_upsample_nearest_exact3d")
+_INTERPOLATING = ("upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d",
+                  "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")  # these take align_corners
+_UPSAMPLE = {getattr(torch._C._nn, name): (getattr(aten, name).default, name in _INTERPOLATING)
+             for name in _NEAREST + _INTERPOLATING}
 
 
 @substitute(F.interpolate, targets=(Target.CPU, Target.CUDA))
@@ -76,9 +74,7 @@ def upsample_vec(spec, func, args, kwargs):
     return op(x, osize, *((bound["align_corners"],) if align else ()), *per_dim)
 
 
-@fake_kernel(*(getattr(aten, f"{name}_backward").default for name in (
-    "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa",
-    "_upsample_bicubic2d_aa")), targets=(Target.CPU, Target.CUDA))
+@fake_kernel(*(getattr(aten, f"{name}_backward").default for name in _INTERPOLATING), targets=(Target.CPU, Target.CUDA))
 def upsample_interpolating_backward(grad_output, output_size, input_size, *args, **kwargs):
     """The interpolating upsamples' backward: its meta kernel is the C++ structured one
     (``TORCH_META_FUNC(upsample_bilinear2d_backward)`` in UpSampleBilinear2d.cpp and the like),
