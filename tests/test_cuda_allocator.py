@@ -9,17 +9,15 @@ from __future__ import annotations
 import pytest
 
 from estimator.devices.cuda_allocator import (
-    AllocatorConfig,
-    AllocatorConfigError,
     AllocatorStats,
     CachingAllocatorModel,
     OutOfMemory,
     SegmentKind,
-    UnsupportedAllocatorConfig,
     get_allocation_size,
     replay,
     round_size,
 )
+from estimator.vocab.allocator_options import AllocatorConfig, AllocatorConfigError, UnsupportedAllocatorConfig
 from estimator.vocab.errors import InputError
 
 KiB, MiB = 2**10, 2**20

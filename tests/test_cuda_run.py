@@ -14,8 +14,8 @@ from torch import nn
 import estimator
 from estimator.account import CATEGORIES, OpMemory, Timeline
 from estimator.capture.records import RunMarks
-from estimator.devices.cuda_allocator import AllocatorConfig
 from estimator.devices.cuda_run import replay_run, replay_step
+from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.categories import Birth, Born, Category, Phase
 from estimator.vocab.symbolic import ZERO, Poly
 

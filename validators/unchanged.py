@@ -95,8 +95,8 @@ def compare(old: Path, new: Path) -> int:
     missing = [n for n in names if not (old / n).exists() or not (new / n).exists()]
     pairs = {n: ((old / n).read_text(), (new / n).read_text()) for n in names if n not in missing}
     identical = [n for n, (a, b) in pairs.items() if a == b]
-    notes_only = [n for n, (a, b) in pairs.items() if a != b and _without_notes(a) is not None
-                  and _without_notes(a) == _without_notes(b)]
+    notes_only = [n for n, (a, b) in pairs.items()
+                  if a != b and (stripped := _without_notes(a)) is not None and stripped == _without_notes(b)]
     numbers = sorted(set(pairs) - set(identical) - set(notes_only))
     changed: dict[str, set[str]] = {}  # where a note's wording changed -> the reports
     for n in notes_only:

@@ -75,14 +75,7 @@ import enum
 import operator
 from collections.abc import Hashable, Iterable
 
-from estimator.vocab.allocator_options import (  # noqa: F401
-    K_LARGE_BUFFER,
-    SIZE_MAX,
-    AllocatorConfig,
-    AllocatorConfigError,
-    UnsupportedAllocatorConfig,
-    is_pow2,
-)
+from estimator.vocab.allocator_options import K_LARGE_BUFFER, SIZE_MAX, AllocatorConfig, is_pow2
 from estimator.vocab.errors import FxmemError, InputError
 
 # --- constants, each from the source named beside it ---------------------------------------

@@ -40,7 +40,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from estimator.account import Timeline
-from estimator.devices.cuda_allocator import AllocatorConfig, AllocatorStats, CachingAllocatorModel
+from estimator.devices.cuda_allocator import AllocatorStats, CachingAllocatorModel
+from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.categories import Birth, Category, Phase
 
 MAX_STEPS = 16  # steps replayed at most

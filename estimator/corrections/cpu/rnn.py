@@ -51,8 +51,8 @@ def _good_ld(dim: int, dsz: int) -> int:
     return ld + 64 // dsz if ld % 256 == 0 else ld
 
 
-def _offsets(parts, start: int = 0) -> int:
-    off = start
+def _offsets(parts) -> int:
+    off = 0
     for size in parts:
         off = _rnd_up(off, PAGE) + size
     return off
