@@ -132,14 +132,15 @@ def test_refused_by_from_training_args(monkeypatch):
         from_training_args(model, {"gradient_accumulation_steps": 2}, world_size=4, device="cpu")
     with pytest.raises(InputError, match="takes optimizer, strategy from the TrainingArguments"):
         from_training_args(model, {}, optimizer="adamw", strategy=Strategy(), device="cpu")
-    # adamw_8bit: bitsandbytes must import; its CPU update is not modelled (its CUDA kernel is).
+    # the low-bit optims need their library to import (any target: their CPU kernels are run too).
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(InputError, match="adamw_8bit' needs bitsandbytes"):
         settings({"optim": "adamw_8bit"}, device="cuda")
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(InputError, match="adamw_torch_4bit' needs torchao"):
+        settings({"optim": "adamw_torch_4bit"}, device="cpu")
     monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
-    with pytest.raises(InputError, match="adamw_8bit' on the CPU"):
-        settings({"optim": "adamw_8bit"}, device="cpu")
-    assert settings({"optim": "adamw_8bit"}, device="cuda").optim == "adamw_8bit"
+    assert settings({"optim": "paged_adamw_8bit"}, device="cpu").optim == "paged_adamw_8bit"
 
 
 def test_optimizer_state_to_the_byte():
@@ -198,7 +199,12 @@ CASES = {
     "checkpointing": (gpt2, {"activation_checkpointing": True}),
     "bf16": (gpt2, {"bf16": True}),
     "lora": (lora, {}),
+    # low-bit optimizers as Trainer builds them (transformers/trainer_optimizer.py): bitsandbytes' 8-bit
+    # AdamW (its CPU kernel) and torchao's 4-bit AdamW (its compiled update); skipped without the library
+    "adamw_bnb_8bit": (gpt2, {"optim": "adamw_bnb_8bit"}),
+    "adamw_torch_4bit": (gpt2, {"optim": "adamw_torch_4bit"}),
 }
+_LIBRARY = {"adamw_bnb_8bit": "bitsandbytes", "adamw_torch_4bit": "torchao"}
 
 
 def predict(case: str) -> estimator.Report:
@@ -220,6 +226,8 @@ def test_matches_a_real_trainer(tmp_path, case):
     estimator/capture/tracing.py)."""
     from validators.trainer import measure_trainer
 
+    if case in _LIBRARY:
+        pytest.importorskip(_LIBRARY[case])
     make, extra = CASES[case]
     measured = measure_trainer(make(), dataset(3 * B * K), output_dir=str(tmp_path), batch_size=B, step=2,
                                gradient_accumulation_steps=K, **extra)

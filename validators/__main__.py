@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from validators import compiled, generate, steps, strategies, zoo
+from validators import compiled, generate, low_bit, steps, strategies, zoo
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     command = "python -m validators" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
     # the sections python -m validators.strategies, .steps, .generate and .compiled write
     kept = [section for section in (strategies.kept_section(args.markdown), steps.kept(args.markdown),
-                                    generate.kept(args.markdown), compiled.kept(args.markdown)) if section]
+                                    generate.kept(args.markdown), compiled.kept(args.markdown),
+                                    low_bit.kept(args.markdown)) if section]
     args.markdown.write_text(zoo.to_markdown(rows, command) + "".join("\n" + section for section in kept))
     args.json.write_text(json.dumps(zoo.to_json(rows), indent=1) + "\n")
     stats = zoo.summary(rows)

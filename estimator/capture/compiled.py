@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -222,6 +223,14 @@ def regions_note(found: dict[str, Any]) -> tuple[str, ...]:
                                                     "eager" if breaks else ", no graph break"),)
 
 
+def eager_regions_note(found: dict[str, Any], target) -> tuple[str, ...]:
+    """What the functions an eager step compiled itself became (``fake_runtime(None)``'s dict)."""
+    where = (": on a GPU Inductor writes Triton kernels instead of the C++ ones of the capture's CPU program, whose "
+             "fusion, and so which intermediates exist, can differ" if target.is_cuda else "")
+    return (f"the step calls torch.compile'd functions (torchao's optimizers compile their update): Dynamo compiled "
+            f"{found['graphs']} graph(s), estimated as Inductor's program allocates their buffers{where}",)
+
+
 def _no_kernel(*args, **kwargs) -> None:
     """A generated kernel: it only writes into buffers the wrapper allocated."""
 
@@ -281,32 +290,85 @@ def _load_fake(cls, key, path, linemap=None, attrs=None, *, set_sys_modules=None
 
 
 @contextlib.contextmanager
-def fake_runtime(spec: Compiled):
-    """While capturing a compiled step: Inductor's wrappers load as ``_load_fake`` does, every
-    capture compiles for itself, and shapes are static unless ``spec.dynamic`` says otherwise.
-    Yields a dict that holds, once the block is over, the graphs Dynamo compiled (``graphs``)
-    and the first line of each graph break's reason (``breaks``)."""
+def fake_runtime(spec: Compiled | None):
+    """While capturing a step: Inductor's wrappers load as ``_load_fake`` does, every capture
+    compiles for itself, and shapes are static unless ``spec.dynamic`` says otherwise.  Yields a
+    dict that holds, once the block is over, the graphs Dynamo compiled (``graphs``) and the
+    first line of each graph break's reason (``breaks``).
+
+    ``spec`` None: an eager step, in which only the functions it passes to ``torch.compile``
+    itself are compiled regions (torchao's low-bit optimizers compile their per-parameter update
+    at each ``step()``, ``fullgraph=True``): each such call runs as the real one does, compiled,
+    without the capture's torch-function modes (Dynamo would trace into them) and with fxmem's
+    dispatch modes transparent to the compiler (``transparent``) for its duration only; the rest
+    of the step stays eager, as captured without this."""
     import torch._dynamo
+    from torch._dynamo import eval_frame
     from torch._dynamo.utils import counters
     from torch._inductor import codecache
     from torch._inductor import config as inductor_config
 
+    dynamic = spec is not None and spec.dynamic is not None
     dynamo = torch._dynamo.config.patch(
         recompile_limit=10**6, accumulated_recompile_limit=10**6,
-        automatic_dynamic_shapes=bool(spec.dynamic) if spec.dynamic is not None else False,
+        automatic_dynamic_shapes=bool(spec.dynamic) if dynamic else False,
     )
     # autotuning writes its timings to stderr; one compile thread: no worker pool (nothing is compiled)
     quiet = inductor_config.patch(autotune_num_choices_displayed=0, compile_threads=1)
-
-    _running[0] += 1
-    torch._dynamo.reset()  # what Dynamo remembers of earlier frames (sizes seen, graphs) would steer this one
-    counters.clear()
     found: dict[str, Any] = {}
+    regions = contextlib.nullcontext()
+    if spec is None:
+        regions = patched(eval_frame._TorchDynamoContext, "__call__",
+                          _regions_call(eval_frame._TorchDynamoContext.__call__, found))
+    else:
+        _running[0] += 1
+        found["reset"] = torch._dynamo.reset()  # what Dynamo remembers of earlier frames would steer this one
+    counters.clear()
     try:
-        with dynamo, quiet, patched(codecache.PyCodeCache, "load_by_key_path", classmethod(_load_fake)):
+        with dynamo, quiet, regions, patched(codecache.PyCodeCache, "load_by_key_path", classmethod(_load_fake)):
             yield found
         found["graphs"] = counters["stats"]["unique_graphs"]
         found["breaks"] = [reason.split("\n")[0] for reason in counters["graph_break"]]
     finally:
-        torch._dynamo.reset()  # nothing of the fake copies stays in Dynamo's caches
-        _running[0] -= 1
+        if "reset" in found:
+            torch._dynamo.reset()  # nothing of the fake copies stays in Dynamo's caches
+        _running[0] -= spec is not None
+
+
+def _regions_call(call, found: dict[str, Any]):
+    """``_TorchDynamoContext.__call__`` (what ``torch.compile(fn)`` returns) for an eager step:
+    a compiled function runs as a compiled region (``fake_runtime``; Dynamo's caches are reset
+    before the first, so that nothing compiled for real tensors runs on fake ones); modules are
+    left as they are (the model's compiled modules are the step's ``Compiled``)."""
+
+    def compile_region(self, fn):
+        compiled_fn = call(self, fn)
+        if isinstance(fn, nn.Module) or not callable(compiled_fn):
+            return compiled_fn
+
+        @functools.wraps(compiled_fn)
+        def region(*args, **kwargs):
+            if "reset" not in found:
+                found["reset"] = torch._dynamo.reset()
+            _running[0] += 1
+            try:
+                with _no_function_modes():
+                    return compiled_fn(*args, **kwargs)
+            finally:
+                _running[0] -= 1
+
+        return region
+
+    return compile_region
+
+
+@contextlib.contextmanager
+def _no_function_modes():
+    """The torch-function mode stack emptied for the block (a compiled region's: the compiler
+    decomposes what the capture's substitutes stand for), restored after."""
+    modes = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator.capture.checkpointing import checkpointing
@@ -77,10 +78,30 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 # Optimizers that need a learning rate to be constructed.
 _DEFAULT_KWARGS = {"sgd": {"lr": 1e-3}}
+# Low-bit optimizers of optional libraries, by name (``-`` / ``_`` ignored, any case; transformers'
+# ``TrainingArguments(optim=)`` names too): (module, class).  bitsandbytes keeps 8-bit states in
+# blocks of 256 with fp32 states for tensors under ``min_8bit_size`` (4,096 elements); ``paged``
+# ones keep states of >= 100,000 elements in CUDA managed memory; torchao's compile their update.
+LOW_BIT_OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "adam8bit": ("bitsandbytes.optim", "Adam8bit"),
+    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "adamwbnb8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "pagedadamw": ("bitsandbytes.optim", "PagedAdamW"),
+    "pagedadamw32bit": ("bitsandbytes.optim", "PagedAdamW"),
+    "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit"),
+    "lion8bit": ("bitsandbytes.optim", "Lion8bit"),
+    "pagedlion8bit": ("bitsandbytes.optim", "PagedLion8bit"),
+    "adamwtorch8bit": ("torchao.optim", "AdamW8bit"),
+    "aoadamw8bit": ("torchao.optim", "AdamW8bit"),
+    "adamwtorch4bit": ("torchao.optim", "AdamW4bit"),
+    "aoadamw4bit": ("torchao.optim", "AdamW4bit"),
+    "aoadamwfp8": ("torchao.optim", "AdamWFp8"),
+}
 
 
 def optimizer_factory(optimizer: str | OptimizerFactory | None) -> OptimizerFactory | None:
-    """A callable ``params -> Optimizer`` from a name (``"adamw"``, ``"sgd-momentum"``), a callable or None."""
+    """A callable ``params -> Optimizer`` from a name (``"adamw"``, ``"sgd-momentum"``,
+    ``"adamw8bit"``), a callable or None."""
     if optimizer is None or callable(optimizer):
         return optimizer
     if not isinstance(optimizer, str):
@@ -92,11 +113,26 @@ def optimizer_factory(optimizer: str | OptimizerFactory | None) -> OptimizerFact
     kwargs = {}
     if name == "sgd-momentum":
         name, kwargs = "sgd", {"momentum": 0.9}
-    if name not in OPTIMIZERS:
-        known = ", ".join([*OPTIMIZERS, "sgd-momentum"])
+    if name.replace("-", "") in LOW_BIT_OPTIMIZERS:
+        cls = _low_bit(optimizer, *LOW_BIT_OPTIMIZERS[name.replace("-", "")])
+    elif name in OPTIMIZERS:
+        cls, kwargs = OPTIMIZERS[name], {**_DEFAULT_KWARGS.get(name, {}), **kwargs}
+    else:
+        known = ", ".join([*OPTIMIZERS, "sgd-momentum", *LOW_BIT_OPTIMIZERS])
         raise InputError(f"unknown optimizer {optimizer!r}; known names: {known} (or pass a callable)")
-    cls, kwargs = OPTIMIZERS[name], {**_DEFAULT_KWARGS.get(name, {}), **kwargs}
     return lambda params: cls(params, **kwargs)
+
+
+def _low_bit(name: str, module: str, cls: str) -> type[torch.optim.Optimizer]:
+    """The class of a low-bit optimizer name, or an ``InputError`` naming the package to install."""
+    import importlib
+
+    package = module.split(".")[0]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise InputError(f"optimizer {name!r} is {package}'s {cls}, and {package} does not import here ({exc}): "
+                         f"pip install {package}") from None
 
 
 AMP_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -511,7 +547,7 @@ def user_state_tensors(model: nn.Module, state: Any, sample: Any) -> dict[Catego
         for param, values in opt.state.items():
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    states[f"{prefix}{param_names.get(id(param), 'param')}.{key}"] = value
+                    states.update(_plain(f"{prefix}{param_names.get(id(param), 'param')}.{key}", value))
     known = {id(t) for tensors in found.values() for t in tensors.values()}
     states.update({name: t for name, t in _tensors_in({"state": state}, known).items()})
     return found
@@ -570,8 +606,8 @@ def state_tensors(
     The tensors the model holds outside its parameters and buffers (``held_tensors``) count as
     buffers; the ``GradScaler``'s scale and growth tracker count as optimizer state.
     """
-    params = {name: p for name, p in model.named_parameters()}
-    buffers = {name: t for name, t in model.named_buffers()}
+    params = {k: t for name, p in model.named_parameters() for k, t in _plain(name, p).items()}
+    buffers = {k: t for name, b in model.named_buffers() for k, t in _plain(name, b).items()}
     buffers.update(held_tensors(model))
     states = {}
     if optimizer is not None:
@@ -579,7 +615,7 @@ def state_tensors(
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    states[f"{param_names.get(id(param), 'param')}.{key}"] = value
+                    states.update(_plain(f"{param_names.get(id(param), 'param')}.{key}", value))
     states.update(scaler_state(scaler))
     inputs = tree_flatten(sample)[0]
     return {
@@ -588,6 +624,19 @@ def state_tensors(
         Category.OPTIMIZER_STATE: states,
         Category.INPUT: {f"input{i}": t for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)},
     }
+
+
+def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``t`` by name, or, for a tensor subclass that wraps others (torchao's quantized optimizer
+    states: ``codes``, ``scale``; an NF4 weight), the tensors that hold its memory, named
+    ``name.attr``.  A DTensor stays whole: the ranks' code reads its local shard itself."""
+    if not is_traceable_wrapper_subclass(t) or type(t).__name__ == "DTensor":
+        return {name: t}
+    found = {}
+    for attr in t.__tensor_flatten__()[0]:
+        if isinstance(inner := getattr(t, attr), torch.Tensor):
+            found.update(_plain(f"{name}.{attr}", inner))
+    return found
 
 
 # Module attributes that are torch's bookkeeping (hook dicts, the parameter/buffer/submodule
@@ -627,7 +676,7 @@ def _tensors_in(roots: dict[str, Any], seen: set[int], module_tree: bool = False
         if isinstance(value, torch.Tensor):
             if id(value) not in seen:
                 seen.add(id(value))
-                found[path] = value
+                found.update(_plain(path, value))
             return
         if depth > 8 or id(value) in seen or isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
             return

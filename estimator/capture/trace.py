@@ -45,7 +45,7 @@ from estimator.capture.fake import (
 from estimator.capture.records import RawCapture, StepSpec
 from estimator.capture.tracker import Storage, Tracker
 from estimator.capture.watchdog import Watchdog
-from estimator.corrections import custom_ops
+from estimator.corrections import custom_ops, libraries
 from estimator.corrections.cpu import host as cpu_target
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.corrections.mode import Substitutions
@@ -61,6 +61,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     the step needs a data-dependent value (``.item()``), the sizes and values observed on the
     real sample first (``datadep.probe``).  Torch's log records and warnings are kept from the
     user (``isolation.quiet``)."""
+    libraries.load_imported()  # the entries of the libraries the model or its optimizer imported
     with isolation.quiet(), isolation.conversions_as_for_real(), tracing.as_for_real(), \
             isolation.global_hooks_suspended() as suspended:
         raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
@@ -287,6 +288,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
                   "you passed is the one your loop runs",)
     if spec.compiled is not None:
         notes += compiled.regions_note(regions)
+    elif regions.get("graphs"):
+        notes += compiled.eager_regions_note(regions, spec.target)
     if not symbolic:
         storages = {sid: symbols.with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra)))
                     for sid, s in tracker.storages.items()}
@@ -310,7 +313,7 @@ def _step_modes(spec: StepSpec, symbolic: bool, mode: FakeTensorMode, dd: datade
     with contextlib.ExitStack() as stack:
         stack.enter_context(Watchdog())  # a step that stops dispatching ops becomes a CaptureError
         stack.enter_context(isolation.errors_named(symbolic))  # errors name the user's line
-        regions = stack.enter_context(contextlib.nullcontext({}) if eager else compiled.fake_runtime(spec.compiled))
+        regions = stack.enter_context(compiled.fake_runtime(spec.compiled))
         stack.enter_context(mode)
         stack.enter_context(dd)  # data-dependent sizes and values, by the policy
         # A compiled step runs without the torch-function modes (Dynamo would trace into them): the

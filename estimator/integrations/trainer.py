@@ -66,8 +66,13 @@ _UNMODELLED_ARGS = {
     "full_determinism": "deterministic algorithms (their own workspaces)",
 }
 # ``optim`` values the mapping models: each is built by Trainer's own ``get_optimizer_cls_and_kwargs``
-# and captured as it runs (``adamw_8bit`` only where bitsandbytes imports, and for the CUDA target).
-MODELLED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", "adamw_8bit")
+# and captured as it runs; the low-bit ones where their library imports (``LOW_BIT_OPTIMS``).
+LOW_BIT_OPTIMS = {
+    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit",
+                     "paged_lion_8bit"), "bitsandbytes"),
+    **dict.fromkeys(("adamw_torch_8bit", "adamw_torch_4bit"), "torchao"),
+}
+MODELLED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop", *LOW_BIT_OPTIMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +437,7 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
     - ``activation_checkpointing`` (or the deprecated ``gradient_checkpointing``) and their
       ``*_kwargs``: what Trainer passes to ``model.activation_checkpointing_enable``
       (``every_n_layers`` and the ``torch.utils.checkpoint`` keywords; ``offload`` is refused);
-    - ``optim``: one of ``MODELLED_OPTIMS`` (``adamw_8bit``: bitsandbytes installed, CUDA target);
+    - ``optim``: one of ``MODELLED_OPTIMS`` (the low-bit ones: bitsandbytes or torchao installed);
     - ``max_grad_norm``, ``logging_nan_inf_filter``, ``use_cache`` (Trainer sets the model's
       ``config.use_cache`` to it);
     - ``torch_compile`` (``torch_compile_mode``; Inductor): ``Strategy(compile=)``, the model
@@ -467,8 +472,8 @@ def training_settings(args: Any, *, device: str = "cpu", world_size: int = 1) ->
     if optim not in MODELLED_OPTIMS:
         raise InputError(f"TrainingArguments optim={optim!r}: not modelled by fxmem; it models "
                          f"{', '.join(MODELLED_OPTIMS)}")
-    if optim == "adamw_8bit":
-        _check_bitsandbytes(device)
+    if optim in LOW_BIT_OPTIMS:
+        _check_library(optim, LOW_BIT_OPTIMS[optim])
     amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     if amp == "fp16" and device == "cpu":
         amp = None
@@ -556,19 +561,15 @@ def _refuse_deepspeed(config: Any, world_size: int | None) -> None:
                      f"not modelled by fxmem{hint}")
 
 
-def _check_bitsandbytes(device: str) -> None:
+def _check_library(optim: str, library: str) -> None:
+    """An ``InputError`` naming the package a low-bit ``optim`` needs, where it does not import."""
     import importlib
 
     try:
-        importlib.import_module("bitsandbytes")
+        importlib.import_module(library)
     except ImportError:
-        raise InputError("TrainingArguments optim='adamw_8bit' needs bitsandbytes, which is not installed here "
-                         "(pip install bitsandbytes)") from None
-    if device == "cpu":
-        raise InputError("TrainingArguments optim='adamw_8bit' on the CPU: bitsandbytes' CPU 8-bit update "
-                         "dequantizes the states into fp32 temporaries that fxmem does not model (its CUDA "
-                         "kernel updates in place: device='cuda' is modelled)")
-
+        raise InputError(f"TrainingArguments optim={optim!r} needs {library}, which does not import here "
+                         f"(pip install {library})") from None
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -1,0 +1,133 @@
+"""Low-bit optimizers (bitsandbytes, torchao) on the CPU target: captured as they run, exact.
+
+bitsandbytes' update ops run their own CPU kernels on the fake tensors
+(``estimator/corrections/libraries/bitsandbytes.py``); torchao's compile their per-parameter
+update, which the capture compiles too (``estimator/capture/compiled.py``, ``fake_runtime(None)``).
+``python -m validators.low_bit`` runs the same check on a transformer and a conv net as well
+(48/48 rows exact).  The libraries are in the test extra; each test skips where its library
+does not import.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import estimator
+from estimator import Category
+from estimator.vocab.errors import InputError
+from validators.cpu import measure_cpu, threads
+from validators.low_bit import OPTIMIZERS, Fallbacks, optimizer_class
+
+
+def _factory(name: str):
+    cls = optimizer_class(name)
+    if cls is None:
+        pytest.skip(f"{OPTIMIZERS[name][0].split('.')[0]} does not import here")
+    return lambda params: cls(params, lr=1e-3)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_matches_real_cpu_steps(name):
+    """One report's formula against real CPU train steps at b = 2 and 8, to the byte: the
+    parameters of 4,095 and 4,097 elements take the fallbacks (fp32 states)."""
+    factory = _factory(name)
+    torch.manual_seed(0)
+    with threads(2):
+        rep = estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=factory, device="cpu")
+        for b in (2, 8):
+            torch.manual_seed(0)
+            measured = measure_cpu(Fallbacks(), torch.randn(b, 64), "train", factory)
+            assert rep.at(b) == measured.peak_bytes, (name, b)
+
+
+def _blocks(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+def test_bitsandbytes_state_to_the_byte():
+    """bitsandbytes' ``Adam8bit`` (bitsandbytes/optim/optimizer.py ``Optimizer2State.init_state``):
+    a parameter of ``min_8bit_size`` = 4,096 elements or more keeps two uint8 states and two fp32
+    absmax per block of 256; a smaller one two fp32 states; the two 256-entry fp32 quantization
+    maps are shared by all."""
+    factory = _factory("bnb Adam8bit")
+    model = Fallbacks()
+    rep = estimator.report(model, torch.randn(2, 64), optimizer=factory, device="cpu")
+    sizes = [p.numel() for p in model.parameters()]
+    assert sizes == [4095, 4097, 32768, 512, 5120, 10]
+    state = sum(2 * n + 2 * 4 * _blocks(n, 256) if n >= 4096 else 2 * 4 * n for n in sizes) + 2 * 256 * 4
+    assert rep.breakdown[Category.OPTIMIZER_STATE] == state == 124_274
+
+
+def test_torchao_state_to_the_byte():
+    """torchao's ``AdamW8bit`` and ``AdamW4bit`` (torchao/optim/adam.py ``_new_buffer``): a
+    parameter of 4,096 elements or more that its block size divides keeps two quantized states
+    (8-bit: a uint8 code per element and an fp32 scale per block of 256; 4-bit: a uint8 per two
+    elements and an fp32 scale per block of 128), each with its own fp32 code map (256 and 16
+    entries); any other the two fp32 states; every parameter a 0-dim fp32 ``step``."""
+    sizes = [4095, 4097, 32768, 512, 5120, 10]
+    for name, block, codes, qmap in (("ao AdamW8bit", 256, lambda n: n, 256), ("ao AdamW4bit", 128,
+                                                                              lambda n: n // 2, 16)):
+        factory = _factory(name)
+        rep = estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=factory, device="cpu")
+        quantized = lambda n: n >= 4096 and n % block == 0  # noqa: E731
+        state = sum(2 * (codes(n) + 4 * (n // block) + 4 * qmap) if quantized(n) else 2 * 4 * n
+                    for n in sizes) + 4 * len(sizes)
+        assert rep.breakdown[Category.OPTIMIZER_STATE] == state, name
+
+
+def test_by_name():
+    """``optimizer="adamw8bit"`` is bitsandbytes' ``AdamW8bit``, ``"adamw_torch_4bit"`` torchao's
+    ``AdamW4bit`` (transformers' ``optim`` names work too); a missing library is named."""
+    for name, cls in (("adamw8bit", "bnb AdamW8bit"), ("adamw_torch_4bit", "ao AdamW4bit")):
+        factory = _factory(cls)
+        by_name = estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=name, device="cpu")
+        assert by_name.peak_bytes == estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=factory,
+                                                      device="cpu").peak_bytes
+
+
+def test_missing_library_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    with pytest.raises(InputError, match=r"'ao-adamw4bit' is torchao's AdamW4bit.*pip install torchao"):
+        estimator.report(Fallbacks(), torch.randn(2, 64), optimizer="ao-adamw4bit", device="cpu")
+    with pytest.raises(InputError, match="unknown optimizer 'adamw9bit'.*adamw8bit"):
+        estimator.report(Fallbacks(), torch.randn(2, 64), optimizer="adamw9bit", device="cpu")
+
+
+def test_compiled_update_on_the_cuda_target():
+    """On the CUDA target torchao's compiled update is Inductor's CPU program (said so in the notes)."""
+    factory = _factory("ao AdamW8bit")
+    rep = estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=factory, device="cuda")
+    note = next(n for n in rep.notes if "torch.compile'd functions" in n)
+    assert "Triton" in note and "graph(s)" in note
+    assert math.isfinite(rep.peak_bytes)
+
+
+@pytest.mark.parametrize("mode", ["train", "generate"])
+def test_qlora_llama(mode):
+    """QLoRA as torchtune builds it (torchao's NF4 weights, bf16 LoRA adapters) on a tiny Llama,
+    trained with AdamW and generating 8 tokens: one report against real CPU runs at b = 2 and 8."""
+    pytest.importorskip("torchao")
+    from validators.low_bit import compare_qlora
+
+    for row in compare_qlora(mode):
+        assert row.predicted == row.measured, row
+
+
+def test_nf4_weights_to_the_byte():
+    """An NF4 weight of n elements (torchao ``NF4Tensor.from_tensor``, block 64, scalers
+    double-quantized in blocks of 256) holds n / 2 B of 4-bit codes, an int8 scaler per block of
+    64, a bf16 factor per 256 scalers, a bf16 scaler mean and the 16-entry bf16 NF4 table."""
+    pytest.importorskip("torchao")
+    from validators.low_bit import QLoRALinear, qlora_llama, qlora_sample
+
+    model = qlora_llama()
+    nf4 = lambda n: n // 2 + n // 64 + 2 * (n // 64 // 256) + 2 + 16 * 2  # noqa: E731
+    quantized = [m.weight.numel() for m in model.modules() if isinstance(m, QLoRALinear)]
+    assert len(quantized) == 2 * 7 and sum(quantized) == 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)
+    plain = sum(2 * p.numel() for name, p in model.named_parameters() if not name.endswith(("proj.weight",)))
+    rep = estimator.report(model, qlora_sample(2, "train"), device="cpu")
+    assert rep.breakdown[Category.PARAMETER] == plain + sum(nf4(n) for n in quantized)

@@ -1,0 +1,235 @@
+"""Low-bit optimizers: fxmem's prediction against the CPU measurement, per byte.
+
+bitsandbytes' 8-bit and paged optimizers (their CPU kernels) and torchao's 8-bit, 4-bit and fp8
+AdamW (their compiled updates) on three models: ``fallbacks``, whose parameters of 4,095 and
+4,097 elements take the full-precision fallbacks (bitsandbytes' ``min_8bit_size`` of 4,096,
+torchao's blocks of 256 that 4,097 does not divide), the zoo's GPT-2 (a transformer) and ResNet
+(a conv net), train steps at b = 2 and 8, each row one real CPU step (``validators.cpu``) and one
+report.  Then QLoRA as torchtune builds it (``qlora_llama``: a Llama whose projections are frozen
+NF4 weights, torchao's ``NF4Tensor``, with bf16 LoRA adapters), trained and generating.  Rows of a
+library that does not import here are left out (named in the output).
+
+    PYTHONPATH=. python -m validators.low_bit   # writes its section of docs/validation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import estimator
+import models_zoo
+from estimator.capture import steps
+from validators.cpu import measure_cpu, measure_user_step
+from validators.strategies import kept_section, write_section
+
+BATCHES = (2, 8)
+# name -> (module, class): each built with lr=1e-3 (bitsandbytes' and torchao's defaults otherwise)
+OPTIMIZERS = {
+    "bnb Adam8bit": ("bitsandbytes.optim", "Adam8bit"),
+    "bnb AdamW8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "bnb PagedAdamW": ("bitsandbytes.optim", "PagedAdamW"),
+    "bnb PagedAdamW8bit": ("bitsandbytes.optim", "PagedAdamW8bit"),
+    "bnb Lion8bit": ("bitsandbytes.optim", "Lion8bit"),
+    "ao AdamW8bit": ("torchao.optim", "AdamW8bit"),
+    "ao AdamW4bit": ("torchao.optim", "AdamW4bit"),
+    "ao AdamWFp8": ("torchao.optim", "AdamWFp8"),
+}
+MODELS = ("fallbacks", "gpt", "resnet")
+
+
+class Fallbacks(nn.Module):
+    """Two parameters just under and over the libraries' thresholds, and a small MLP (b rows of 64
+    features -> 10 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.under = nn.Parameter(torch.randn(4095))  # < 4,096: bitsandbytes' fp32 states
+        self.over = nn.Parameter(torch.randn(4097))  # 4,097 % 256 != 0: torchao's full precision
+        self.hidden = nn.Linear(64, 512)  # 32,768 + 512 elements
+        self.out = nn.Linear(512, 10)  # 5,120 + 10
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x))) + self.under.sum() + self.over.sum()
+
+
+def build(name: str):
+    """(model, make_sample, loss_fn) of a row's model, seeded."""
+    torch.manual_seed(0)
+    if name == "fallbacks":
+        return Fallbacks(), lambda b: torch.randn(b, 64), None
+    return models_zoo.get(name, "debug")
+
+
+class QLoRALinear(nn.Module):
+    """torchtune's ``LoRALinear(quantize_base=True)``: the base weight frozen in NF4 (torchao's
+    ``to_nf4``: 4-bit codes, a scaler per block of 64, double-quantized), rank-``r`` bf16 adapters."""
+
+    def __init__(self, base: nn.Linear, r: int = 8) -> None:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        super().__init__()
+        self.weight = nn.Parameter(to_nf4(base.weight.detach().to(torch.bfloat16)), requires_grad=False)
+        self.lora_a = nn.Linear(base.in_features, r, bias=False, dtype=torch.bfloat16)
+        self.lora_b = nn.Linear(r, base.out_features, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+def qlora_llama() -> nn.Module:
+    """A tiny transformers Llama in bf16 (2 layers, hidden 256, 4 query and 2 key/value heads of 64:
+    every projection's NF4 scalers divide into torchao's blocks of 256), its projections
+    ``QLoRALinear``, everything else frozen; seeded."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                                      vocab_size=QLORA_VOCAB)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.requires_grad_(False)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, QLoRALinear(child))
+    return model
+
+
+QLORA_VOCAB = 1000
+QLORA_PROMPT, QLORA_NEW = 8, 8  # generate(): prompt tokens, new tokens
+
+
+def qlora_sample(b: int, mode: str) -> dict[str, torch.Tensor]:
+    """``b`` rows of 16 tokens with labels (train) or ``QLORA_PROMPT``-token prompts (generate)."""
+    s = 16 if mode == "train" else QLORA_PROMPT
+    ids = torch.randint(0, QLORA_VOCAB, (b, s), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long)}
+    return {**sample, "labels": ids} if mode == "train" else sample
+
+
+@dataclass(frozen=True)
+class Row:
+    optimizer: str
+    model: str
+    batch: int
+    predicted: int
+    measured: int
+    estimate_seconds: float
+
+    @property
+    def error(self) -> float:
+        return 100.0 * (self.predicted - self.measured) / self.measured
+
+
+def optimizer_class(name: str):
+    """The class of ``OPTIMIZERS[name]``, or None where its library does not import."""
+    module, cls = OPTIMIZERS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError:
+        return None
+
+
+def compare(optimizer: str, model: str, batch: int) -> Row:
+    cls = optimizer_class(optimizer)
+    factory = lambda params: cls(params, lr=1e-3)  # noqa: E731
+    net, make_sample, loss_fn = build(model)
+    measured = measure_cpu(net, make_sample(batch), "train", factory, loss_fn)
+    net, make_sample, loss_fn = build(model)
+    start = time.perf_counter()
+    rep = estimator.report(net, make_sample(batch), batch=batch, optimizer=factory, loss_fn=loss_fn, device="cpu")
+    return Row(optimizer, model, batch, rep.peak_bytes, measured.peak_bytes, time.perf_counter() - start)
+
+
+def compare_qlora(mode: str, batches=BATCHES) -> list[Row]:
+    """QLoRA (``qlora_llama``) trained with AdamW, or generating ``QLORA_NEW`` tokens: one report,
+    evaluated at each of ``batches`` (``Report.at``), against a real CPU step at each."""
+    start = time.perf_counter()
+    if mode == "train":
+        rep = estimator.report(qlora_llama().train(), qlora_sample(batches[0], mode), device="cpu")
+    else:
+        rep = estimator.report(qlora_llama().eval(), qlora_sample(batches[0], mode), mode="generate",
+                               new_tokens=QLORA_NEW, device="cpu")
+    seconds = time.perf_counter() - start
+    rows = []
+    for b in batches:
+        if mode == "train":
+            measured = measure_cpu(qlora_llama().train(), qlora_sample(b, mode), "train", "adamw")
+        else:
+            measured = measure_user_step(qlora_llama().eval(), qlora_sample(b, mode),
+                                         steps.Generation(QLORA_NEW, None), None, "generate")
+        rows.append(Row("adamw" if mode == "train" else f"generate({QLORA_NEW})", "qlora llama", b, rep.at(b),
+                        measured.peak_bytes, seconds))
+    return rows
+
+
+def run(optimizers=tuple(OPTIMIZERS), models=MODELS, batches=BATCHES) -> tuple[list[Row], list[str]]:
+    """The rows, and what was left out (an optimizer or QLoRA whose library does not import)."""
+    missing = [o for o in optimizers if optimizer_class(o) is None]
+    rows = [compare(o, m, b) for o in optimizers if o not in missing for m in models for b in batches]
+    try:
+        importlib.import_module("torchao")
+    except ImportError:
+        return rows, [*missing, "QLoRA (torchao's NF4)"]
+    return rows + compare_qlora("train", batches) + compare_qlora("generate", batches), missing
+
+
+MARKS = ("<!-- low_bit -->", "<!-- /low_bit -->")
+
+
+def to_markdown(rows: list[Row], missing: list[str], command: str) -> str:
+    exact = sum(r.predicted == r.measured for r in rows)
+    lines = [MARKS[0], "## Low-bit optimizers and QLoRA (CPU)", "",
+             f"`{command}` (torch {torch.__version__}, {torch.get_num_threads()} threads): "
+             f"{exact}/{len(rows)} rows exact to the byte, largest error "
+             f"{max((abs(r.error) for r in rows), default=0.0):.3f} %. Train steps; `fallbacks` has parameters of "
+             "4,095 and 4,097 elements (bitsandbytes' fp32 states under 4,096 elements, torchao's full precision "
+             "where blocks of 256 do not divide); `qlora llama` is a tiny Llama with torchao NF4 weights and bf16 "
+             "LoRA adapters (one report per mode, evaluated at each b).", "",
+             "| optimizer | model | b | predicted (B) | measured (B) | error | estimate (s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.optimizer} | {r.model} | {r.batch} | {r.predicted:,} | {r.measured:,} | {r.error:+.3f} % "
+              f"| {r.estimate_seconds:.1f} |" for r in rows]
+    if missing:
+        lines += ["", f"Not run (library not installed): {', '.join(missing)}."]
+    return "\n".join(lines) + "\n" + MARKS[1] + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m validators.low_bit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--markdown", type=Path, default=Path("docs/validation.md"),
+                        help="the file whose low-bit section is written (all optimizers and models only)")
+    parser.add_argument("--json", type=Path, default=Path("docs/validation-low-bit.json"))
+    args = parser.parse_args(argv)
+    rows, missing = run(args.optimizers, args.models)
+    text = to_markdown(rows, missing, "python -m validators.low_bit")
+    if args.optimizers == list(OPTIMIZERS) and args.models == list(MODELS):
+        write_section(args.markdown, text, MARKS)
+        args.json.write_text(json.dumps({"rows": [asdict(r) | {"error_pct": r.error} for r in rows],
+                                         "missing": missing}, indent=1) + "\n")
+    sys.stdout.write(text)
+    return 0 if all(r.predicted == r.measured for r in rows) else 1
+
+
+def kept(path: Path) -> str:
+    """This section of ``path`` ('' if none): what ``python -m validators`` keeps."""
+    return kept_section(path, MARKS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
