@@ -39,6 +39,7 @@ class Row:
     communication_bytes: int  # per device and step (ring algorithms), 0 on one device
     cost: str  # the extra compute or communication the strategy implies
     max_batch: int | None = None  # with a budget: the largest b that fits (0: none)
+    optimizer: Any = None  # an optimizer what-if's optimizer (a name; None: the comparison's own)
 
     @property
     def devices(self) -> int:
@@ -80,7 +81,7 @@ class Comparison:
             "batch": self.batch,
             "budget": self.budget,
             "rows": [
-                {"label": r.label, "strategy": r.strategy.describe(), "devices": r.devices,
+                {"label": r.label, "strategy": r.strategy.describe(), "optimizer": r.optimizer, "devices": r.devices,
                  "peak_bytes": r.peak_bytes, "device_bytes": r.device_bytes, "saving": r.saving,
                  "samples_per_step": r.samples_per_step, "communication_bytes": r.communication_bytes,
                  "cost": r.cost, "max_batch": r.max_batch, "fits": r.fits,
@@ -144,6 +145,32 @@ def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[
     return out, skipped
 
 
+# Optimizer what-ifs of compare and plan: the low-bit versions of the optimizer named, by label,
+# each where its library is installed (estimator.capture.steps.LOW_BIT_OPTIMIZERS).
+LOW_BIT_WHAT_IFS = {
+    "adamw": {"8-bit AdamW (bitsandbytes)": "adamw8bit", "4-bit AdamW (torchao)": "adamw_torch_4bit"},
+    "adam": {"8-bit Adam (bitsandbytes)": "adam8bit"},
+}
+_LIBRARY = {"adamw8bit": "bitsandbytes", "adam8bit": "bitsandbytes", "adamw_torch_4bit": "torchao"}
+
+
+def default_optimizers(optimizer: Any, mode: str = "train") -> tuple[dict[str, str], list[str]]:
+    """The low-bit what-ifs of ``optimizer`` (``LOW_BIT_WHAT_IFS``, by label) for a train step
+    with an optimizer given by name, and the ones left out (their library is not installed)."""
+    import importlib.util
+
+    if not isinstance(optimizer, str) or not isinstance(mode, str) or mode.lower() != "train":
+        return {}, []
+    found, skipped = {}, []
+    for label, name in LOW_BIT_WHAT_IFS.get(optimizer.lower(), {}).items():
+        library = _LIBRARY[name]
+        if importlib.util.find_spec(library) is None:
+            skipped.append(f"{label}: {library} is not installed (pip install {library})")
+        else:
+            found[label] = name
+    return found, skipped
+
+
 def compare(
     model: nn.Module,
     sample: Any,
@@ -162,12 +189,16 @@ def compare(
     data_dependent: Any = "max",
     batch_dims: int | Mapping | None = None,
     keep_output: bool | None = None,
+    optimizers: Mapping[str, Any] | None = None,
 ) -> Comparison:
     """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
     ``b`` that fits), against the single-device baseline (the first row).
 
     ``strategies``: ``Strategy`` objects (labelled by ``Strategy.describe()``) or a
-    ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.  The other
+    ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.
+    ``optimizers``: what-ifs of the optimizer on one device, ``{label: optimizer}`` (a name or a
+    factory, as ``optimizer``); default, with the default strategies, ``default_optimizers``:
+    the 8-bit and 4-bit versions of ``"adamw"`` / ``"adam"`` whose library is installed.  The other
     arguments are ``estimator.report``'s (``device="cuda"`` by default, on the GPU ``gpu=``,
     default an H100; a user's own ``step=`` cannot combine with the strategies compared:
     estimate it with ``report``).  Each distinct single-device step is captured once.
@@ -175,8 +206,16 @@ def compare(
     devices = as_int(devices, "devices")
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
+    if optimizers is None:
+        optimizers, left_out = default_optimizers(optimizer, mode) if strategies is None else ({}, [])
+        skipped += left_out
+    elif not isinstance(optimizers, Mapping):
+        raise InputError(f"optimizers must be a dict {{label: optimizer}}, got {type(optimizers).__name__}")
+    elif optimizers and str(mode).lower() != "train":
+        raise InputError(f"optimizers are what-ifs of a train step; mode={mode!r} runs no optimizer")
     if strategies is None:
-        named, skipped = default_strategies(model, batch or sample_batch(sample, batch_dims), devices)
+        named, more = default_strategies(model, batch or sample_batch(sample, batch_dims), devices)
+        skipped += more
     elif isinstance(strategies, Mapping):
         named = dict(strategies)
     else:
@@ -190,12 +229,17 @@ def compare(
     request = Request(model, sample, batch=batch, mode=mode, optimizer=optimizer, loss_fn=loss_fn, device=device,
                       gpu=gpu, alloc_conf=alloc_conf, dynamic=dynamic, data_dependent=data_dependent,
                       batch_dims=batch_dims, keep_output=keep_output)
-    reports = estimate_each({label: request.replace(strategy=s) for label, s in named.items()})
+    clash = sorted(set(optimizers) & set(named))
+    if clash:
+        raise InputError(f"optimizers and strategies share the label(s) {', '.join(map(repr, clash))}")
+    requests = {label: request.replace(strategy=s) for label, s in named.items()}
+    requests |= {label: request.replace(optimizer=o) for label, o in optimizers.items()}
+    reports = estimate_each(requests)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]
     rows = []
     for label, rep in reports.items():
-        s = named[label]
+        s = named.get(label, Strategy())
         rows.append(Row(
             label=label,
             strategy=s,
@@ -204,10 +248,11 @@ def compare(
             saving=1 - rep.peak_bytes / base.peak_bytes,
             samples_per_step=rep.batch * s.data_parallel,
             communication_bytes=communication_bytes(model, s),
-            cost=cost(s),
+            cost=cost(s) if label in named else optimizer_cost(optimizers[label]),
             max_batch=None if limit is None else rep.max_batch(limit),
+            optimizer=None if label in named else _optimizer_label(optimizers[label]),
         ))
-    rows.sort(key=lambda r: r.strategy != Strategy())  # the baseline first, the rest in the given order
+    rows.sort(key=lambda r: r.label != base_label)  # the baseline first, the rest in the given order
     return Comparison(tuple(rows), rows[0].report.batch, limit, tuple(skipped), base_label)
 
 
@@ -231,6 +276,8 @@ def plan(
         raise InputError("plan needs a budget per device (bytes or e.g. '80GiB') with device='cpu'; on a GPU "
                          "(device='cuda', the default) it defaults to the GPU's memory")
     if strategies is None:
+        options.setdefault("optimizers", default_optimizers(options.get("optimizer", "adamw"),
+                                                            options.get("mode", "train"))[0])
         named, _ = default_strategies(model, batch or sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)
         extra = {}
@@ -279,6 +326,18 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     volume = {None: 2 * p, Sharding.ZERO1: 3 * p, Sharding.ZERO2: 2 * p, Sharding.ZERO3: 3 * p}[strategy.sharding]
     # accumulating, DDP reduces once (no_sync); FSDP gathers and reduce-scatters every micro-step
     return round(share * volume * (strategy.accumulate if strategy.sharding in (Sharding.ZERO2, Sharding.ZERO3) else 1))
+
+
+def optimizer_cost(optimizer: Any) -> str:
+    """What an optimizer what-if costs besides memory, in words."""
+    name = _optimizer_label(optimizer)
+    if name in _LIBRARY:
+        return f"quantizes the optimizer state at every step (block-wise, {_LIBRARY[name]})"
+    return f"optimizer {name}"
+
+
+def _optimizer_label(optimizer: Any) -> str:
+    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", type(optimizer).__name__)
 
 
 def cost(strategy: Strategy) -> str:

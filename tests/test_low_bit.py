@@ -10,6 +10,7 @@ does not import.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -60,6 +61,11 @@ def test_bitsandbytes_state_to_the_byte():
     assert sizes == [4095, 4097, 32768, 512, 5120, 10]
     state = sum(2 * n + 2 * 4 * _blocks(n, 256) if n >= 4096 else 2 * 4 * n for n in sizes) + 2 * 256 * 4
     assert rep.breakdown[Category.OPTIMIZER_STATE] == state == 124_274
+    # the formula export gives it per trainable parameter: 124,274 B / 46,602 parameters
+    assert rep.trainable_params == sum(sizes) == 46_602
+    assert rep.optimizer_state_per_param == 124_274 / 46_602
+    assert "124,274 B over Ψ = 46,602 trainable parameters, 2.667 B per parameter" in rep.to_markdown()
+    assert json.loads(rep.to_json())["optimizer_state_per_parameter"] == 124_274 / 46_602
 
 
 def test_torchao_state_to_the_byte():

@@ -60,12 +60,42 @@ def test_compare_captures_each_step_once(monkeypatch):
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, devices=4, device="cpu")
     # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
-    # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing
+    # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing;
+    # then the low-bit AdamW what-ifs whose library is installed, one capture each
+    low_bit, _ = planning.default_optimizers("adamw")
     assert [r.label for r in result.rows] == [
         "single device", "AMP bf16", "compiled", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4",
-        "ZeRO-3 x4", "pipeline x4 (1F1B)"]
-    assert len(calls) == 4
+        "ZeRO-3 x4", "pipeline x4 (1F1B)", *low_bit]
+    assert len(calls) == 4 + len(low_bit)
     assert result["compiled"].cost.startswith("compiles at the first step")
+
+
+def test_compare_offers_low_bit_optimizers(monkeypatch):
+    """An optimizer what-if is the report of the same step with that optimizer (one capture of its
+    own); the defaults are the low-bit versions of adamw whose library is installed, and a library
+    that is not is named among the skipped."""
+    pytest.importorskip("bitsandbytes")
+    model, x = Net(), torch.randn(8, 64)
+    result = estimator.compare(model, x, 8, [Strategy()], optimizers={"8-bit": "adamw8bit"}, device="cpu")
+    assert [r.label for r in result.rows] == ["single device", "8-bit"]
+    row = result["8-bit"]
+    assert row.peak_bytes == estimator.report(model, x, optimizer="adamw8bit", device="cpu").peak_bytes
+    assert row.optimizer == "adamw8bit" and "bitsandbytes" in row.cost and row.strategy == Strategy()
+    assert result.to_dict()["rows"][1]["optimizer"] == "adamw8bit"
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    found, skipped = planning.default_optimizers("adamw")
+    assert list(found) == ["8-bit AdamW (bitsandbytes)"] and skipped == [
+        "4-bit AdamW (torchao): torchao is not installed (pip install torchao)"]
+    assert planning.default_optimizers("adamw", "inference") == ({}, [])
+    assert planning.default_optimizers("sgd") == ({}, [])
+    with pytest.raises(InputError, match="optimizers must be a dict"):
+        estimator.compare(model, x, 8, [Strategy()], optimizers=["adamw8bit"], device="cpu")
+    with pytest.raises(InputError, match="mode='inference' runs no optimizer"):
+        estimator.compare(model, x, 8, [Strategy()], optimizers={"8-bit": "adamw8bit"}, mode="inference",
+                          device="cpu")
 
 
 def test_default_strategies_leave_out_what_cannot_apply():

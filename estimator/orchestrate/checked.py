@@ -64,8 +64,10 @@ class Checked:
 
     @property
     def capture_key(self) -> tuple:
-        """Requests with equal keys (in one ``compare``) share the captured formulas."""
-        return self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step, self.spec.compiled
+        """Requests with equal keys (in one ``compare``) share the captured formulas (the optimizer
+        as given: a name, or the user's own factory object)."""
+        return (self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step,
+                self.spec.compiled, self.request.optimizer)
 
 
 def check(request: Request) -> Checked:

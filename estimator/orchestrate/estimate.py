@@ -95,6 +95,7 @@ def result(checked: Checked, captured: Captured) -> Report:
         "multiple": strategy.multiple,
         "strategy": strategy,
         "data_dependent": captured.data_dependent,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     if spec.mode is Mode.GENERATE:
         prompt = captured.seq if captured.seq is not None else checked.sample["input_ids"].shape[-1]

@@ -57,6 +57,9 @@ def to_latex(rep) -> str:
     for category, poly in rep.breakdown_formula.items():
         if poly != ZERO:
             lines.append(rf"\text{{{category.value}}}({symbols_text(rep)}) &= {sympy.latex(poly.expr)} \;\text{{B}} \\")
+    if (per := rep.optimizer_state_per_param) is not None:
+        lines.append(rf"\text{{optimizer state per trainable parameter}} &= {per:.4g} \;\text{{B}} "
+                     rf"\quad (\Psi = {rep.trainable_params}) \\")
     valid = range_text(rep).replace("≤", r"\le").replace("∞", r"\infty")
     lines += [rf"&\text{{valid for }} {valid}", r"\end{align*}"]
     if rep.dtype_formula is not None:
@@ -85,6 +88,9 @@ def to_markdown(rep) -> str:
             lines.append(f"| {category.value} | `{poly.expr}` | `{_mib(poly)}` | {poly(rep.batch, rep.seq):,} |")
     total = sum(rep.breakdown_formula.values(), Poly())
     lines.append(f"| **total at the peak** | `{total.expr}` | `{_mib(total)}` | {rep.peak_bytes:,} |")
+    if (per := rep.optimizer_state_per_param) is not None:
+        lines += ["", f"Optimizer state ({rep.optimizer}): {rep.breakdown.get(Category.OPTIMIZER_STATE, 0):,} B over "
+                      f"Ψ = {rep.trainable_params:,} trainable parameters, {per:.4g} B per parameter."]
     if rep.ranks:
         lines += ["", f"Per device ({rep.strategy.describe()}; the table above is the worst device's):", "",
                   "| device | ranks | peak formula (B) | at b |", "|---|---|---|---:|"]
@@ -106,6 +112,8 @@ def to_json(rep, indent: int | None = 2) -> str:
     if rep.seq is not None:
         data["symbols"] = [str(B), str(S)]
     data["breakdown_coefficients"] = {c.value: coefficients(p) for c, p in rep.breakdown_formula.items()}
+    data["trainable_parameters"] = rep.trainable_params
+    data["optimizer_state_per_parameter"] = rep.optimizer_state_per_param
     if rep.dtype_formula is not None:
         data["dtype_formula"] = dtype_dict(rep.dtype_formula)
     return json.dumps(data, indent=indent)

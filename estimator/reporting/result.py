@@ -135,6 +135,16 @@ class Report:
     # report(dtype_symbols=True): the peak and its categories in b and the element width w of the
     # model's float dtype (``estimator.reporting.dtypes.DtypeFormula``).
     dtype_formula: DtypeFormula | None = None
+    trainable_params: int = 0  # Ψ: the model's parameters that require grad (elements)
+
+    @property
+    def optimizer_state_per_param(self) -> float | None:
+        """Optimizer state at the peak (this device's) in bytes per trainable parameter of the
+        model: 8 for AdamW's two fp32 moments, about 2.03 for an 8-bit one (fp32 fallbacks of
+        small tensors raise it); None without an optimizer step or trainable parameters."""
+        if self.mode is not Mode.TRAIN or not self.trainable_params or self.optimizer is None:
+            return None
+        return self.breakdown.get(Category.OPTIMIZER_STATE, 0) / self.trainable_params
 
     @property
     def reserved_bytes(self) -> int | None:
