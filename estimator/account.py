@@ -74,6 +74,7 @@ class Timeline:
     births: tuple[Born | None, ...] = ()
     marks: RunMarks = RunMarks()  # where the run's first step makes its lazy state
     decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
+    managed: int = 0  # bytes in CUDA managed memory besides the timeline (``RawCapture.managed``)
 
     def alive_at(self, index: int):
         """The storages alive while op ``index`` runs."""
@@ -176,7 +177,7 @@ def account(raw: RawCapture) -> Timeline:
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
     return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
-                    tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding)
+                    tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)
 
 
 def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:

@@ -137,3 +137,33 @@ def test_nf4_weights_to_the_byte():
     plain = sum(2 * p.numel() for name, p in model.named_parameters() if not name.endswith(("proj.weight",)))
     rep = estimator.report(model, qlora_sample(2, "train"), device="cpu")
     assert rep.breakdown[Category.PARAMETER] == plain + sum(nf4(n) for n in quantized)
+
+
+def test_paged_state_outside_the_allocator_on_cuda():
+    """On the CUDA target a paged optimizer's state buffers of 100,000 elements or more live in CUDA
+    managed memory (bitsandbytes ``get_state_buffer`` -> ``F.get_paged``): not in the allocator's
+    figures, their own row in the device's; a 512 x 512 weight (262,144 elements) qualifies, the
+    rest stays in the allocator."""
+    _factory("bnb PagedAdamW")
+    import bitsandbytes as bnb
+    from torch import nn
+
+    from estimator.devices.cuda import Overhead
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    x = torch.randn(4, 512)
+    reports = {cls.__name__: estimator.report(model(), x, optimizer=lambda p, cls=cls: cls(p, lr=1e-3), device="cuda",
+                                              gpu="A100 80GB")
+               for cls in (bnb.optim.PagedAdamW, bnb.optim.PagedAdamW8bit, bnb.optim.AdamW8bit)}
+    fp32, paged8, plain8 = reports["PagedAdamW"], reports["PagedAdamW8bit"], reports["AdamW8bit"]
+    assert fp32.cuda.managed == 2 * 4 * 512 * 512 and paged8.cuda.managed == 2 * 512 * 512 and plain8.cuda.managed == 0
+    # the 8-bit states of the big weight leave the allocator's optimizer state; their absmax stay
+    state = plain8.breakdown[Category.OPTIMIZER_STATE]
+    assert paged8.breakdown[Category.OPTIMIZER_STATE] == state - 2 * 512 * 512
+    assert paged8.overheads[Overhead.MANAGED] == 2 * 512 * 512 and Overhead.MANAGED not in plain8.overheads
+    assert paged8.device_bytes == paged8.reserved_bytes + paged8.cuda.context + 2 * 512 * 512
+    assert any(n.startswith("CUDA managed memory: 524,288 B") for n in paged8.notes)
+    assert "CUDA managed memory" in str(paged8)

@@ -78,11 +78,12 @@ def mark_births(tracker: Tracker, model: nn.Module, state: dict, lazy: dict[int,
             stored.born = Born(Birth.SETUP)
 
 
-def register_state(tracker: Tracker, state: dict, kept: list, on_host: set[int]) -> None:
-    """The tensors alive before the step, by category (but those the target keeps in host
-    memory), and the storages a user's step keeps that no tensor names (as optimizer state)."""
+def register_state(tracker: Tracker, state: dict, kept: list, elsewhere: set[int]) -> None:
+    """The tensors alive before the step, by category (but those the target keeps elsewhere:
+    ``elsewhere``, ids), and the storages a user's step keeps that no tensor names (as
+    optimizer state)."""
     for category, tensors in state.items():
-        tracker.register({name: t for name, t in tensors.items() if id(t) not in on_host}, category)
+        tracker.register({name: t for name, t in tensors.items() if id(t) not in elsewhere}, category)
     tracker.register_storages(kept, Category.OPTIMIZER_STATE)
 
 
@@ -228,14 +229,24 @@ def phases(tracker: Tracker, model: nn.Module):
 
 def host_state(spec: StepSpec, optimizers: list) -> set[int]:
     """ids of the optimizer state tensors the target keeps in host memory (not counted)."""
-    return {
-        id(value)
+    return {id(value) for value in _state_where(spec, optimizers, corrections.on_host)}
+
+
+def managed_state(spec: StepSpec, optimizers: list) -> dict[int, int]:
+    """The optimizer state tensors the target keeps in CUDA managed memory, outside the caching
+    allocator: id -> bytes (not in the allocator's timeline: ``RawCapture.managed``)."""
+    return {id(t): t.untyped_storage().nbytes() for t in _state_where(spec, optimizers, corrections.in_managed_memory)}
+
+
+def _state_where(spec: StepSpec, optimizers: list, rule) -> list[torch.Tensor]:
+    return [
+        value
         for optimizer in optimizers
         for group in optimizer.param_groups
         for p in group["params"]
         for key, value in optimizer.state.get(p, {}).items()
-        if isinstance(value, torch.Tensor) and corrections.on_host(spec.target.device, optimizer, group, key, value)
-    }
+        if isinstance(value, torch.Tensor) and rule(spec.target.device, optimizer, group, key, value)
+    ]
 
 
 def on_phase(tracker: Tracker, model: nn.Module):

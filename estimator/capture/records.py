@@ -87,3 +87,4 @@ class RawCapture:
     freed_first: tuple[int, ...] = ()  # state freed before the first op (zero_grad() first in a user's step)
     marks: RunMarks = RunMarks()  # where a run's first step makes its state
     decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
+    managed: int = 0  # bytes of state in CUDA managed memory, outside the caching allocator (paged optimizers)

@@ -248,7 +248,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         else:
             warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
         run_step, optimizers = warm.run_step, warm.optimizers
-        phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers))
+        managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
+        phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers) | set(managed))
         phases.mark_births(tracker, fmodel, warm.state, warm.lazy)
         warm.state, warm.kept = {}, []  # the step alone decides what stays alive (zero_grad() frees the gradients)
         phases.name_owners(tracker, fmodel, optimizers)
@@ -298,10 +299,11 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
-                          freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoded.get("decoding"))
+                          freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoded.get("decoding"),
+                          managed=sum(managed.values()))
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
-    raw.marks, raw.decoding = marks["marks"], decoded.get("decoding")
+    raw.marks, raw.decoding, raw.managed = marks["marks"], decoded.get("decoding"), sum(managed.values())
     return raw
 
 

@@ -33,7 +33,9 @@ from estimator.corrections.registry import (
     fake_kernel_for,
     has_substitutes,
     host_state,
+    in_managed_memory,
     lookup,
+    managed_state,
     on_host,
     optimizer_rule,
     registered,
@@ -43,6 +45,6 @@ from estimator.corrections.registry import (
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state", "lookup",
-    "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
+    "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state",
+    "in_managed_memory", "lookup", "managed_state", "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
 ]

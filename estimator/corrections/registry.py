@@ -11,6 +11,9 @@ differently lives here, in one registry, with seven kinds of entries (and ``@mea
   foreach implementation by default);
 - ``@host_state(targets=...)``: optimizer state the target keeps in host memory (CUDA: the
   ``step`` counters of non-capturable, non-fused optimizers), not counted on the device;
+- ``@managed_state(targets=...)``: optimizer state the target keeps in CUDA managed memory,
+  outside the caching allocator (bitsandbytes' paged optimizers): its own figure, in the
+  device's memory but not in the allocator's;
 - ``@fake_kernel(op, targets=...)``: run instead of an op's fake kernel where that kernel
   specializes a symbolic size that the real kernel does not depend on (same outputs, same
   allocations; the tracker records the op as one);
@@ -96,6 +99,7 @@ _OPTIMIZER_RULES: dict[Target, list[OptimizerRule]] = {}
 # rule(optimizer, group, key, value) -> True when that state tensor lives in host memory.
 HostRule = Callable[[torch.optim.Optimizer, dict, str, torch.Tensor], bool]
 _HOST_RULES: dict[Target, list[HostRule]] = {}
+_MANAGED_RULES: dict[Target, list[HostRule]] = {}
 _FAKE_KERNELS: dict[tuple[Target, Any], Callable[..., Any]] = {}
 
 
@@ -184,6 +188,22 @@ def host_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
 
 def on_host(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str, value: torch.Tensor) -> bool:
     return any(rule(optimizer, group, key, value) for rule in _HOST_RULES.get(target, ()))
+
+
+def managed_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
+    """Register ``rule(optimizer, group, key, value) -> bool``: state kept in managed memory."""
+
+    def register(rule: HostRule) -> HostRule:
+        for target in _targets(targets):
+            _MANAGED_RULES.setdefault(target, []).append(rule)
+        return rule
+
+    return register
+
+
+def in_managed_memory(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str,
+                      value: torch.Tensor) -> bool:
+    return any(rule(optimizer, group, key, value) for rule in _MANAGED_RULES.get(target, ()))
 
 
 def fake_kernel(*ops, targets: Iterable[Target]) -> Callable:

@@ -37,6 +37,7 @@ class Overhead(str, enum.Enum):
     ALLOCATOR_ROUNDING = "allocator rounding"  # blocks rounded to 512 B / 2 MiB; in max_memory_allocated
     ALLOCATOR_CACHE = "allocator cache"  # reserved segments not allocated at the peak
     CUDA_CONTEXT = "CUDA context"  # driver context and kernels; outside the allocator, seen by nvidia-smi
+    MANAGED = "CUDA managed memory"  # cudaMallocManaged buffers (paged optimizer state); outside the allocator
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,18 @@ class CudaMemory:
     steps: int = 1  # steps the run replayed (until the allocator's state repeated)
     repeated: bool = True  # whether it repeated within cuda_run.MAX_STEPS (else: the max over those)
     carried: int = 0  # the previous step's output and loss alive at the run's allocated peak (a loop's `out`)
+    managed: int = 0  # CUDA managed memory (bitsandbytes' paged optimizer state): outside the allocator
 
     @property
     def device(self) -> int:
-        """nvidia-smi's "memory used" for the process: reserved + context."""
-        return self.reserved + self.context
+        """nvidia-smi's "memory used" for the process: reserved + context + managed memory (while
+        resident: the driver pages it out to host memory when the GPU runs out)."""
+        return self.reserved + self.context + self.managed
+
+    @property
+    def outside_allocator(self) -> int:
+        """Device memory the caching allocator does not hold: the CUDA context and managed memory."""
+        return self.context + self.managed
 
 
 def workspaces_held(timeline: Timeline, spec: TargetSpec) -> int:
@@ -105,7 +113,7 @@ def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None =
     stats = run.stats
     return CudaMemory(b, stats.peak_allocated, stats.peak_reserved, spec.context_bytes, len(firsts) * size,
                       len(firsts), stats.segments, step.peak_allocated, step.peak_reserved, run.steps, run.repeated,
-                      run.carried)
+                      run.carried, timeline.managed)
 
 
 def not_modelled_note(ran=None) -> str:
@@ -116,6 +124,17 @@ def not_modelled_note(ran=None) -> str:
         "CUDA target: kernels, optimizer defaults, cuBLAS workspaces and the caching allocator are modelled "
         "from PyTorch's source (the CUDA context is estimated: its own note)" + (f"; not modelled: {gaps}" if gaps else "")
     )
+
+
+def managed_notes(managed: int) -> tuple[str, ...]:
+    """What managed memory (``Timeline.managed``) is, where a step keeps any."""
+    if not managed:
+        return ()
+    return (f"CUDA managed memory: {managed:,} B of paged optimizer state (bitsandbytes' paged optimizers keep "
+            "state buffers of 100,000 elements or more in cudaMallocManaged memory): outside the caching allocator, "
+            "so not in max_memory_allocated/reserved; in the device figure (nvidia-smi) and subtracted from "
+            "max_batch/fits budgets while resident, which is a worst case: the driver pages it out to host memory "
+            "when the GPU runs out, at the cost of speed",)
 
 
 def run_note(memory: CudaMemory) -> str:

@@ -70,7 +70,8 @@ def result(checked: Checked, captured: Captured) -> Report:
     notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
         ran = {op.op for op in captured.timeline.ops} | {site.op for site in captured.data_dependent}
-        notes += [cuda.not_modelled_note(ran), *gpus.estimated_notes(spec.target.context_bytes),
+        notes += [cuda.not_modelled_note(ran), *cuda.managed_notes(captured.timeline.managed),
+                  *gpus.estimated_notes(spec.target.context_bytes),
                   *cudnn.estimated_notes(captured.at_batch or captured.timeline, captured.graph, spec.target, batch,
                                          captured.seq, per_device=not strategy.distributed)]
     if strategy.multiple > 1:

@@ -141,6 +141,8 @@ def _cuda_rows(rep) -> list[list[str]]:
         row("= max_memory_reserved", rep.reserved_bytes,
             f"a run of {rep.cuda.steps} steps; one step after empty_cache(): {rep.cuda.step_reserved:,}"),
         row(Overhead.CUDA_CONTEXT.value + " (estimate)", over[Overhead.CUDA_CONTEXT], "outside the allocator"),
+        *([row(Overhead.MANAGED.value, over[Overhead.MANAGED], "paged optimizer state, outside the allocator")]
+          if Overhead.MANAGED in over else []),
         row("= device memory (nvidia-smi)", rep.device_bytes),
     ]
 

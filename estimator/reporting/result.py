@@ -168,6 +168,7 @@ class Report:
             Overhead.ALLOCATOR_ROUNDING: self.cuda.allocated - tensors - self.cuda.workspace - self.cuda.carried,
             Overhead.ALLOCATOR_CACHE: self.cuda.reserved - self.cuda.allocated,
             Overhead.CUDA_CONTEXT: self.cuda.context,
+            **({Overhead.MANAGED: self.cuda.managed} if self.cuda.managed else {}),
         }
 
     @property
@@ -308,7 +309,7 @@ class Report:
             return self._generating(new_tokens).max_batch(budget, s)
         _, s = self._check_range(None, s)  # (the report's own batch may lie outside the formula's range)
         limit = self._budget(budget)
-        tensor_limit = limit if self.cuda is None else limit - self.cuda.context
+        tensor_limit = limit if self.cuda is None else limit - self.cuda.outside_allocator
         try:
             best = max_fitting(self._pieces_at(s), tensor_limit, self.valid_from, self.valid_to)
         except ValueError as exc:
@@ -332,7 +333,7 @@ class Report:
             raise InputError("max_seq needs a formula in s: pass dynamic= to estimator.report")
         b, _ = self._check_range(self.batch if b is None else b)
         limit = self._budget(budget)
-        tensor_limit = limit if self.cuda is None else limit - self.cuda.context
+        tensor_limit = limit if self.cuda is None else limit - self.cuda.outside_allocator
         lo, hi = self.seq_range
         try:
             best = max_fitting([p.bytes.in_s(b) for p in self.pieces], tensor_limit, lo, hi)
