@@ -44,6 +44,20 @@ def threads(n: int):
         torch.set_num_threads(before)
 
 
+@contextmanager
+def recorded():
+    """Build a model inside this block when its step may free what the build allocated before the
+    step's peak (bitsandbytes' 4-bit weights, repacked for the CPU at the first inference call).
+
+    The CPU allocator reports a free to the profiler only for allocations it made while memory
+    profiling was on (c10/core/CPUAllocator.cpp ``ProfiledCPUMemoryReporter``: ``New`` records the
+    size only then, ``Delete`` reports only what it finds): a storage built before profiling is
+    freed silently, and the measurement keeps counting it.  Under this block (a profiling session
+    that records nothing else) every allocation is recorded, so its later free is seen."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        yield
+
+
 def baseline_bytes(model, optimizer, sample, scaler=None) -> int:
     storages: dict[int, int] = {}
     for tensors in steps.state_tensors(model, optimizer, sample, scaler).values():

@@ -5,9 +5,12 @@ AdamW (their compiled updates) on three models: ``fallbacks``, whose parameters 
 4,097 elements take the full-precision fallbacks (bitsandbytes' ``min_8bit_size`` of 4,096,
 torchao's blocks of 256 that 4,097 does not divide), the zoo's GPT-2 (a transformer) and ResNet
 (a conv net), train steps at b = 2 and 8, each row one real CPU step (``validators.cpu``) and one
-report.  Then QLoRA as torchtune builds it (``qlora_llama``: a Llama whose projections are frozen
-NF4 weights, torchao's ``NF4Tensor``, with bf16 LoRA adapters), trained and generating.  Rows of a
-library that does not import here are left out (named in the output).
+report.  Then QLoRA two ways, trained (AdamW) and generating: as torchtune builds it
+(``qlora_llama``: a Llama whose projections are frozen NF4 weights, torchao's ``NF4Tensor``, with
+bf16 LoRA adapters) and as Hugging Face users do (``bnb_qlora_llama``: ``from_pretrained`` with
+``BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization, bf16 compute)``, then PEFT LoRA
+on the query and value projections; bitsandbytes' CPU kernels).  Rows of a library that does not
+import here are left out (named in the output).
 
     PYTHONPATH=. python -m validators.low_bit   # writes its section of docs/validation.md
 """
@@ -28,7 +31,7 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator.capture import steps
-from validators.cpu import measure_cpu, measure_user_step
+from validators.cpu import measure_cpu, measure_user_step, recorded
 from validators.strategies import kept_section, write_section
 
 BATCHES = (2, 8)
@@ -107,6 +110,39 @@ def qlora_llama() -> nn.Module:
     return model
 
 
+_SAVED: dict[str, str] = {}  # the tiny Llama's random weights, saved once per process (no downloads)
+
+
+def bnb_qlora_llama(mode: str) -> nn.Module:
+    """The tiny Llama of ``qlora_llama`` loaded the Hugging Face way: saved with random weights,
+    ``from_pretrained`` with bitsandbytes' NF4 4-bit config (double quantization, bf16 compute) on
+    the CPU, and for training PEFT LoRA (r = 8) on ``q_proj`` and ``v_proj``.  Built inside
+    ``validators.cpu.recorded``: its first inference call repacks the 4-bit weights for the CPU
+    (``bitsandbytes.functional._convert_weight_packed_for_cpu``), freeing what loading made."""
+    import tempfile
+
+    import peft
+    import transformers
+
+    if "dir" not in _SAVED:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                                          vocab_size=QLORA_VOCAB)
+        torch.manual_seed(0)
+        _SAVED["dir"] = tempfile.mkdtemp(prefix="fxmem-bnb-qlora-")
+        transformers.LlamaForCausalLM(config).save_pretrained(_SAVED["dir"])
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True,
+                                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with recorded():
+        model = transformers.LlamaForCausalLM.from_pretrained(_SAVED["dir"], quantization_config=quantization,
+                                                              device_map="cpu")
+        if mode == "train":
+            return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).train()
+    return model.eval()
+
+
 QLORA_VOCAB = 1000
 QLORA_PROMPT, QLORA_NEW = 8, 8  # generate(): prompt tokens, new tokens
 
@@ -153,24 +189,29 @@ def compare(optimizer: str, model: str, batch: int) -> Row:
     return Row(optimizer, model, batch, rep.peak_bytes, measured.peak_bytes, time.perf_counter() - start)
 
 
-def compare_qlora(mode: str, batches=BATCHES) -> list[Row]:
-    """QLoRA (``qlora_llama``) trained with AdamW, or generating ``QLORA_NEW`` tokens: one report,
+QLORA = {"qlora llama": lambda mode: qlora_llama().train(mode == "train"), "bnb qlora llama": bnb_qlora_llama}
+_QLORA_LIBRARY = {"qlora llama": "torchao", "bnb qlora llama": "bitsandbytes"}
+
+
+def compare_qlora(mode: str, name: str = "qlora llama", batches=BATCHES) -> list[Row]:
+    """QLoRA (``QLORA[name]``) trained with AdamW, or generating ``QLORA_NEW`` tokens: one report,
     evaluated at each of ``batches`` (``Report.at``), against a real CPU step at each."""
+    build = QLORA[name]
     start = time.perf_counter()
     if mode == "train":
-        rep = estimator.report(qlora_llama().train(), qlora_sample(batches[0], mode), device="cpu")
+        rep = estimator.report(build(mode), qlora_sample(batches[0], mode), device="cpu")
     else:
-        rep = estimator.report(qlora_llama().eval(), qlora_sample(batches[0], mode), mode="generate",
-                               new_tokens=QLORA_NEW, device="cpu")
+        rep = estimator.report(build(mode), qlora_sample(batches[0], mode), mode="generate", new_tokens=QLORA_NEW,
+                               device="cpu")
     seconds = time.perf_counter() - start
     rows = []
     for b in batches:
         if mode == "train":
-            measured = measure_cpu(qlora_llama().train(), qlora_sample(b, mode), "train", "adamw")
+            measured = measure_cpu(build(mode), qlora_sample(b, mode), "train", "adamw")
         else:
-            measured = measure_user_step(qlora_llama().eval(), qlora_sample(b, mode),
-                                         steps.Generation(QLORA_NEW, None), None, "generate")
-        rows.append(Row("adamw" if mode == "train" else f"generate({QLORA_NEW})", "qlora llama", b, rep.at(b),
+            measured = measure_user_step(build(mode), qlora_sample(b, mode), steps.Generation(QLORA_NEW, None), None,
+                                         "generate")
+        rows.append(Row("adamw" if mode == "train" else f"generate({QLORA_NEW})", name, b, rep.at(b),
                         measured.peak_bytes, seconds))
     return rows
 
@@ -179,11 +220,14 @@ def run(optimizers=tuple(OPTIMIZERS), models=MODELS, batches=BATCHES) -> tuple[l
     """The rows, and what was left out (an optimizer or QLoRA whose library does not import)."""
     missing = [o for o in optimizers if optimizer_class(o) is None]
     rows = [compare(o, m, b) for o in optimizers if o not in missing for m in models for b in batches]
-    try:
-        importlib.import_module("torchao")
-    except ImportError:
-        return rows, [*missing, "QLoRA (torchao's NF4)"]
-    return rows + compare_qlora("train", batches) + compare_qlora("generate", batches), missing
+    for name, library in _QLORA_LIBRARY.items():
+        try:
+            importlib.import_module(library)
+        except ImportError:
+            missing.append(f"{name} ({library})")
+            continue
+        rows += compare_qlora("train", name, batches) + compare_qlora("generate", name, batches)
+    return rows, missing
 
 
 MARKS = ("<!-- low_bit -->", "<!-- /low_bit -->")

@@ -173,7 +173,8 @@ def trainer_2022_state(optim: str = "adamw", fp16: bool = False) -> Callable[[nn
     """``Trainer.create_optimizer`` of transformers 4.16: ``optim="adamw"`` is transformers'
     own ``AdamW`` (a per-parameter loop; the stand-in is ``torch.optim.AdamW(foreach=False)``,
     the same loop), ``"adafactor"`` transformers' ``Adafactor(scale_parameter=False,
-    relative_step=False, lr=5e-5)``."""
+    relative_step=False, lr=5e-5)``, ``"adam8bit"`` the page's ``bnb.optim.Adam8bit`` over the same
+    two groups with the arguments' betas, eps and learning rate, handed to ``Trainer(optimizers=)``."""
 
     def build(model: nn.Module) -> Trainer2022:
         groups = _decay_groups(model)
@@ -183,6 +184,10 @@ def trainer_2022_state(optim: str = "adamw", fp16: bool = False) -> Callable[[nn
             from transformers.optimization import Adafactor
 
             opt = Adafactor(groups, lr=5e-5, scale_parameter=False, relative_step=False)
+        elif optim == "adam8bit":
+            import bitsandbytes as bnb
+
+            opt = bnb.optim.Adam8bit(groups, lr=5e-5, betas=(0.9, 0.999), eps=1e-8)
         else:
             raise ValueError(optim)
         device = next(model.parameters()).device.type
@@ -308,6 +313,10 @@ _ADAMW_HF = Difference("adamw_hf", "transformers' own AdamW (the 2022 Trainer de
                        "`exp_avg_sq.sqrt() / c`)")
 _ADAFACTOR = Difference("Adafactor 5.24", "transformers 5.24's Adafactor vs 4.16's (same algorithm; temporaries may "
                         "differ)")
+_BNB_2022 = Difference("bitsandbytes 2022", "bitsandbytes of early 2022 (~0.26, version not stated) vs 0.50: the same "
+                       "states (two uint8 per element, fp32 under 4,096 elements, in place on CUDA), but its "
+                       "block-wise update may have used the paper's blocks of 2,048 elements (fxmem: 0.50's 256): "
+                       "then 335 M x 8 B x (1/256 - 1/2048) = 9 MiB fewer absmax bytes than fxmem counts")
 _AMP = Difference("torch 1.10 autocast", "fp16: torch 1.10's autocast op lists and GradScaler vs torch 2.13's")
 _GC = Difference("reentrant checkpoint", "gradient checkpointing as 4.16 did it (reentrant torch.utils.checkpoint per "
                  "layer, reproduced with use_reentrant=True) but through transformers 5.24's checkpointing code")
@@ -348,10 +357,7 @@ HF_ROWS = (
             (_ADAFACTOR, _GC, _AMP)),
     _hf_row("hf-bert-large-b4-adam8bit", "section '8-bit Adam'",
             "bnb.optim.Adam8bit(...) ... per_device_train_batch_size=4 ... GPU memory occupied: 13085 MB.",
-            13085, "4", "bitsandbytes Adam8bit", "fp32", None,
-            not_estimable="bitsandbytes' Adam8bit: its state (uint8 + per-block fp32 scales) is made by "
-                          "bitsandbytes' own CUDA kernels, which have no fake/meta kernels (and bitsandbytes is not "
-                          "installed here)"),
+            13085, "4", "bitsandbytes Adam8bit", "fp32", bert_trainer(4, optim="adam8bit"), (_BNB_2022,)),
 )
 
 

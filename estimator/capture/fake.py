@@ -111,6 +111,11 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
             memo[id(value)] = fake
     try:
         copied = copy.deepcopy(model, memo)
+        # A Parameter subclass's Python attributes (bitsandbytes' Params4bit: its quant_state, whose
+        # tensors are faked above, and its module, copied above) on the fake parameter that stands for it.
+        for value in state[Category.PARAMETER].values():
+            if attributes := steps.parameter_attributes(value):
+                memo[id(value)].__dict__.update(copy.deepcopy(attributes, memo))
     except Exception as exc:
         raise CaptureError(
             f"could not copy the model ({type(exc).__name__}: {exc}); fxmem deep-copies the module "

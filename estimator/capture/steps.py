@@ -629,14 +629,31 @@ def state_tensors(
 def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """``t`` by name, or, for a tensor subclass that wraps others (torchao's quantized optimizer
     states: ``codes``, ``scale``; an NF4 weight), the tensors that hold its memory, named
-    ``name.attr``.  A DTensor stays whole: the ranks' code reads its local shard itself."""
+    ``name.attr``.  A DTensor stays whole: the ranks' code reads its local shard itself.  A
+    parameter of a ``Parameter`` subclass comes with the tensors its Python attributes hold
+    (bitsandbytes' ``Params4bit``: the ``quant_state``'s block scales and code), named
+    ``name.attr...``: memory of the weight."""
     if not is_traceable_wrapper_subclass(t) or type(t).__name__ == "DTensor":
-        return {name: t}
+        return {name: t, **parameter_attribute_tensors(name, t)}
     found = {}
     for attr in t.__tensor_flatten__()[0]:
         if isinstance(inner := getattr(t, attr), torch.Tensor):
             found.update(_plain(f"{name}.{attr}", inner))
     return found
+
+
+def parameter_attributes(p: torch.Tensor) -> dict[str, Any]:
+    """The Python attributes of a parameter of a ``Parameter`` subclass (``Params4bit``'s
+    ``quant_state``, ``blocksize``, ``module`` …), which a fake copy must keep; {} for others."""
+    if not isinstance(p, nn.Parameter) or type(p) is nn.Parameter:
+        return {}
+    return dict(vars(p))
+
+
+def parameter_attribute_tensors(name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors ``parameter_attributes(p)`` hold, outside modules, by path from ``name``."""
+    held = {k: v for k, v in parameter_attributes(p).items() if not isinstance(v, nn.Module)}
+    return _tensors_in({name: held}, {id(p)}) if held else {}
 
 
 # Module attributes that are torch's bookkeeping (hook dicts, the parameter/buffer/submodule
