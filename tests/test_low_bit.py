@@ -171,3 +171,28 @@ def test_paged_state_outside_the_allocator_on_cuda():
     assert paged8.device_bytes == paged8.reserved_bytes + paged8.cuda.context + 2 * 512 * 512
     assert any(n.startswith("CUDA managed memory: 524,288 B") for n in paged8.notes)
     assert "CUDA managed memory" in str(paged8)
+
+
+def test_bitsandbytes_4bit_on_the_cuda_target():
+    """On the CUDA target a 4-bit model is not repacked for the CPU (its quantized storage stays as
+    loaded: the weights' 4-bit codes, int8 absmax and their fp32 second-level scales and codes), and
+    ``gemm_4bit`` follows the CUDA backend's own dispatch for the GPU: the fused kernel for few
+    rows, the dequantize + ``F.linear`` fallback past 1,536 rows (bitsandbytes/backends/cuda/ops.py)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from estimator.capture import steps
+    from estimator.corrections.libraries.bitsandbytes import uses_fused_kernel
+    from estimator.vocab.target import target_spec
+    from validators.low_bit import bnb_qlora_llama, qlora_sample
+
+    model = bnb_qlora_llama("generate")
+    loaded = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in steps.state_tensors(model, None, ())[Category.PARAMETER].values()}
+    rep = estimator.report(model, qlora_sample(2, "generate"), mode="generate", new_tokens=2, device="cuda",
+                           gpu="A100 80GB")
+    assert rep.breakdown[Category.PARAMETER] == sum(loaded.values())
+    spec, _ = target_spec("cuda", "A100 80GB", None)
+    assert spec.gpu.arch == "sm_80"
+    assert uses_fused_kernel(spec, torch.bfloat16, 4, 512, 256, 64)  # at most 4 rows: always fused
+    assert not uses_fused_kernel(spec, torch.bfloat16, 2048, 512, 256, 64)  # past 1,536 rows: never
+    assert not uses_fused_kernel(spec, torch.bfloat16, 8, 512, 100, 64)  # K not a multiple of the block

@@ -215,6 +215,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     memo: dict[int, Any] = {}  # the user's objects -> their fake copies
     fmodel = fake_model(model, mode, memo)
+    corrections.apply_model_rules(spec.target, fmodel)
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)

@@ -26,6 +26,7 @@ from estimator.corrections.cuda import rnn as cuda_rnn  # noqa: F401
 from estimator.corrections.registry import (
     NO_FIX,
     Fix,
+    apply_model_rules,
     apply_optimizer_rules,
     bind,
     correction,
@@ -45,6 +46,6 @@ from estimator.corrections.registry import (
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state",
+    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state",
     "in_managed_memory", "lookup", "managed_state", "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
 ]

@@ -11,6 +11,9 @@ differently lives here, in one registry, with seven kinds of entries (and ``@mea
   foreach implementation by default);
 - ``@host_state(targets=...)``: optimizer state the target keeps in host memory (CUDA: the
   ``step`` counters of non-capturable, non-fused optimizers), not counted on the device;
+- ``@model_rule(targets=...)``: what a target changes in the model's fake copy before the step
+  (a library's host-specific choice made when the model was built: bitsandbytes' CPU repacking
+  of 4-bit weights, off for the CUDA target);
 - ``@managed_state(targets=...)``: optimizer state the target keeps in CUDA managed memory,
   outside the caching allocator (bitsandbytes' paged optimizers): its own figure, in the
   device's memory but not in the allocator's;
@@ -100,6 +103,7 @@ _OPTIMIZER_RULES: dict[Target, list[OptimizerRule]] = {}
 HostRule = Callable[[torch.optim.Optimizer, dict, str, torch.Tensor], bool]
 _HOST_RULES: dict[Target, list[HostRule]] = {}
 _MANAGED_RULES: dict[Target, list[HostRule]] = {}
+_MODEL_RULES: dict[Target, list[Callable[[Any, nn.Module], None]]] = {}
 _FAKE_KERNELS: dict[tuple[Target, Any], Callable[..., Any]] = {}
 
 
@@ -356,6 +360,22 @@ def substitution(target: Target, func) -> SubstituteFn | None:
 
 def has_substitutes(target: Target) -> bool:
     return any(t is target for t, _ in _SUBSTITUTES)
+
+
+def model_rule(*, targets: Iterable[Target]) -> Callable:
+    """Register ``rule(target_spec, model)``, applied to the fake copy of the model."""
+
+    def register(rule):
+        for target in _targets(targets):
+            _MODEL_RULES.setdefault(target, []).append(rule)
+        return rule
+
+    return register
+
+
+def apply_model_rules(spec, model: nn.Module) -> None:
+    for rule in _MODEL_RULES.get(spec.device, ()):
+        rule(spec, model)
 
 
 def apply_optimizer_rules(spec, optimizer: torch.optim.Optimizer | None) -> None:
