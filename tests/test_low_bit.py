@@ -196,3 +196,48 @@ def test_bitsandbytes_4bit_on_the_cuda_target():
     assert uses_fused_kernel(spec, torch.bfloat16, 4, 512, 256, 64)  # at most 4 rows: always fused
     assert not uses_fused_kernel(spec, torch.bfloat16, 2048, 512, 256, 64)  # past 1,536 rows: never
     assert not uses_fused_kernel(spec, torch.bfloat16, 8, 512, 100, 64)  # K not a multiple of the block
+
+
+def test_float8_matmul_on_the_cpu_kernel():
+    """A CPU ``_scaled_mm`` without AMX (``_scaled_mm_out_cpu_emulated``, Blas.cpp): the buffers the
+    correction gives are what the kernel allocates, run alone under the profiler: for a (M, K)
+    fp8 ``a``, a column-major (K, N) fp8 ``b`` and a bf16 output, the copy of ``b`` (K N B), the
+    fp32 copies of both and the fp32 product, and the product cast to bf16."""
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this host has AMX: oneDNN's fp8 matmul runs, measured instead")
+    from torch.profiler import ProfilerActivity, profile
+
+    from estimator.corrections.registry import lookup
+    from validators.cpu import _allocation_deltas
+
+    for M, K, N in ((16, 256, 512), (256, 16, 512)):
+        a = torch.randn(M, K).to(torch.float8_e4m3fn)
+        b = torch.randn(N, K).to(torch.float8_e4m3fn).t()
+        scale = torch.ones(M, 1), torch.ones(1, N)  # rowwise (tensorwise adds two wrapped scalars, 12 B)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = torch._scaled_mm(a, b, *scale, out_dtype=torch.bfloat16)
+        running = peak = 0
+        for _, delta in _allocation_deltas(prof):
+            running += delta
+            peak = max(peak, running)
+        fix = lookup(torch.ops.aten._scaled_mm.default, (a, b, *scale), {"out_dtype": torch.bfloat16}, out)
+        assert peak - out.untyped_storage().nbytes() == max(int(x) for x in fix.scratch), (M, K, N)
+
+
+def test_float8_training_is_captured():
+    """torchao's float8 training (``convert_to_float8_training``): its ``Float8TrainingTensor``
+    operands are fake where their inner tensors are (``capture/fake.py``), and the ops its own
+    dispatch runs (the ``_scaled_mm`` of each matmul) are recorded (``Tracker._subclass_dispatch``);
+    on the CPU target the report says how far whole steps are validated."""
+    pytest.importorskip("torchao")
+    from torch import nn
+    from torchao.float8 import convert_to_float8_training
+
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(torch.bfloat16)
+    convert_to_float8_training(model)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    rep = estimator.report(model, x, device="cpu")
+    assert sum(op.op == "aten._scaled_mm.default" for op in rep.timeline.ops) == 6  # 3 matmuls x 2 layers
+    assert any(n.startswith("float8 matmuls") for n in rep.notes)
+    cuda = estimator.report(model, x, device="cuda", gpu="H100")
+    assert not any(n.startswith("float8 matmuls") for n in cuda.notes) and cuda.peak_bytes > 0

@@ -37,7 +37,7 @@ from torch._prims_common import compute_elementwise_output_logical_to_physical_p
 from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator.capture import compiled, steps, watchdog
@@ -407,7 +407,7 @@ class RealTensors(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _fake_of(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, FakeTensor):
+        if not _is_real(t):
             return t
         if id(t) in self.met:
             return self.met[id(t)][1]
@@ -472,13 +472,24 @@ def _has_real(values) -> bool:
     case, none, must be cheap: this runs for every op)."""
     for a in values:
         if isinstance(a, torch.Tensor):
-            if not isinstance(a, FakeTensor):
+            if not isinstance(a, FakeTensor) and _is_real(a):
                 return True
         elif isinstance(a, (list, tuple)):
             for x in a:
-                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) and _is_real(x):
                     return True
     return False
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds real data: not a fake tensor, nor a tensor subclass that wraps fake
+    ones (torchao's ``Float8TrainingTensor`` or NF4 weight made in the capture)."""
+    if isinstance(t, FakeTensor):
+        return False
+    if is_traceable_wrapper_subclass(t):
+        inner = [getattr(t, attr) for attr in t.__tensor_flatten__()[0]]
+        return any(_is_real(x) for x in inner if isinstance(x, torch.Tensor))
+    return True
 
 
 def check_kernel(func, args, kwargs, cuda: bool) -> str | None:

@@ -47,6 +47,7 @@ from estimator.capture.tracker import Storage, Tracker
 from estimator.capture.watchdog import Watchdog
 from estimator.corrections import custom_ops, libraries
 from estimator.corrections.cpu import host as cpu_target
+from estimator.corrections.cpu import matmul as cpu_matmul
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.corrections.mode import Substitutions
 from estimator.vocab.categories import Born, Mode, Phase
@@ -282,6 +283,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         symbols.symbol_range(shape_env, batch_symbols[0], "batch size", SymbolicCaptureFailed)
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
+    notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
     notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
     notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode, is_traceable_wrapper_subclass
 
 from estimator import corrections
 from estimator.capture import compiled
@@ -85,6 +86,15 @@ def _holder(out: torch.Tensor):
         return node if type(node).__name__ == "CopySlices" else _NOT_YET
     node = out.grad_fn
     return node if node is not None and hasattr(node, "_saved_other") else None
+
+
+def _wrapper_subclass(args, kwargs) -> type | None:
+    """The type of the first argument that is a tensor subclass wrapping others with its own
+    ``__torch_dispatch__`` (not a fake tensor), or None (the common case: cheap)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and is_traceable_wrapper_subclass(a):
+            return type(a)
+    return None
 
 
 class Tracker(TorchDispatchMode):
@@ -236,11 +246,27 @@ class Tracker(TorchDispatchMode):
             return ""
         return self._module_stack[-1] if self._module_stack else ""
 
+    def _subclass_dispatch(self, subclass: type, func, types, args, kwargs):
+        """An op on a tensor subclass that wraps others (torchao's ``Float8TrainingTensor``): its own
+        ``__torch_dispatch__`` runs the ops that implement it (the float8 matmul's ``_scaled_mm`` and
+        the copies it makes) on the inner tensors.  The dispatcher would call it below this mode,
+        which is off while its handler runs, and none of those ops would be recorded: it runs here
+        with this mode pushed again, so each is recorded as any op of the step."""
+        _push_mode(self)
+        try:
+            return subclass.__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            _pop_mode()
+
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kernel = corrections.fake_kernel_for(self.target, func)
-        out = (kernel or func)(*args, **kwargs)
+        subclass = None if kernel is not None else _wrapper_subclass(args, kwargs)
+        if subclass is not None:
+            out = self._subclass_dispatch(subclass, func, types, args, kwargs)
+        else:
+            out = (kernel or func)(*args, **kwargs)
         if func in _SKIP:
             return out
         if self.before_op is not None:
