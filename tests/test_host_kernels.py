@@ -239,3 +239,15 @@ def test_calls_the_host_cannot_run_are_named(monkeypatch):
     rep = estimator.report(Net(nn.Conv2d(3, 8, 3), 8), torch.randn(4, 3, 8, 8), optimizer="sgd", loss_fn=_loss,
                            device="cpu")
     assert any("could not run on this host (RuntimeError: not on this host)" in n for n in rep.notes), rep.notes
+
+
+def test_a_call_its_op_refuses_at_a_size_is_not_run():
+    """The affordability check runs the op on meta tensors (FLOPs); where the op refuses the
+    sizes (fp8 ``_scaled_mm`` needs dimensions divisible by 16: a backward's (N, b) x (b, K) at
+    b = 2), the call is not run and says why, instead of failing the report."""
+    a = cpu.TensorArg((512, 2), (2, 1), torch.float8_e4m3fn)
+    b = cpu.TensorArg((2, 256), (1, 2), torch.float8_e4m3fn)
+    scale = cpu.TensorArg((), (), torch.float32)
+    call = cpu.Concrete(torch.ops.aten._scaled_mm.default, (a, b, scale, scale), {"out_dtype": torch.bfloat16})
+    assert not call.affordable()
+    assert "divisible by 16" in cpu._FAILED[call.key]

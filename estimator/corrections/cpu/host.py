@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -176,9 +177,14 @@ def _flops(key: str, call: Concrete) -> int:
         def meta(x):
             return torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device="meta") if isinstance(x, TensorArg) else x
 
-        with FlopCounterMode(display=False) as counter:
-            call.func(*_map(meta, call.args), **_map(meta, call.kwargs))
-        _FLOPS[key] = counter.get_total_flops()
+        try:
+            with FlopCounterMode(display=False) as counter:
+                call.func(*_map(meta, call.args), **_map(meta, call.kwargs))
+        except Exception as exc:  # noqa: BLE001  (the op refuses these sizes: not run, named in the notes)
+            _FAILED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            _FLOPS[key] = math.inf
+        else:
+            _FLOPS[key] = counter.get_total_flops()
     return _FLOPS[key]
 
 
