@@ -132,3 +132,26 @@ def test_the_eager_backend_is_described_as_it_runs():
     real = torch.compile(NormMLP(16, 32, 4), backend="eager")
     assert rep.peak_bytes == measure_cpu(real, _features(16, 4, 8), loss_fn=_class_loss).peak_bytes
     assert any("Dynamo's graphs run eagerly" in n for n in rep.notes)
+
+
+def test_a_users_autocast_step_with_a_compiled_model_on_the_cuda_target():
+    """A user's step with ``torch.autocast("cuda", dtype=torch.bfloat16)`` around a compiled model
+    (torchao's optimizer benchmark): the compiler traces the autocast region itself, with the
+    CPU's op lists (said in the notes); CUDA's emulated lists stay off there, whose fallthrough
+    kernels the compiler's tracing re-entered without end (a segmentation fault)."""
+    import torch.nn.functional as F
+
+    def step(model, batch, optimizer):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model = NormMLP(16, 32, 4)
+    model.compile(fullgraph=True)
+    batch = {"x": torch.randn(8, 16), "y": torch.randint(0, 4, (8,))}
+    rep = estimator.report(model, batch, step=step, optimizer=lambda m: torch.optim.AdamW(m.parameters()),
+                           device="cuda", gpu="A100 80GB")
+    assert rep.peak_bytes > 0 and any("estimated as compiled" in n for n in rep.notes)
+    assert any("autocast inside the compiled region follows the CPU's autocast op lists" in n for n in rep.notes)

@@ -158,7 +158,8 @@ def test_table_facts():
     assert resolve_gpu("l4").arch == "sm_89"
     assert resolve_gpu("a10g").arch == "sm_86"
     assert resolve_gpu("v100 16gb").arch == "sm_70"
-    assert len({s.name for s in GPUS}) == len(GPUS) == 14
+    assert resolve_gpu("4070 ti super").sm_count == 66 and resolve_gpu("rtx 4070 ti super").arch == "sm_89"
+    assert len({s.name for s in GPUS}) == len(GPUS) == 15
     assert all(isinstance(s, GpuSpec) and s.total_memory > 2**30 for s in GPUS)
 
 

@@ -467,6 +467,97 @@ TUTORIAL_ROWS = (
 )
 
 
+# -- torchao: low-bit optimizers on ViT-H (torchao/optim/README.md, "Benchmarks") -------------------------
+
+
+def vit_h() -> nn.Module:
+    """timm's ``vit_huge_patch14_224`` (the benchmark's ``timm/vit_huge_patch14_224.orig_in21k``,
+    630 M parameters) with a 45-class head (resisc45), random weights, on the meta device, then
+    ``model.compile(fullgraph=True)`` as the benchmark's ``--compile`` does."""
+    timm = import_optional("timm", "timm")
+    with torch.device("meta"):
+        model = timm.create_model("vit_huge_patch14_224", pretrained=False, num_classes=45)
+    model.compile(fullgraph=True)
+    return model
+
+
+def ao_benchmark_batch(b: int = 8) -> dict[str, torch.Tensor]:
+    """One batch of the benchmark's loader: ``b`` 224x224 fp32 images and their labels."""
+    generator = torch.Generator().manual_seed(0)
+    return {"image": torch.rand(b, 3, 224, 224, generator=generator),
+            "label": torch.randint(0, 45, (b,), generator=generator)}
+
+
+def ao_benchmark_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer) -> None:
+    """benchmarks/benchmark_low_bit_adam.py's loop with ``--amp bf16``: the forward and the loss
+    under ``torch.autocast("cuda", dtype=torch.bfloat16)``, ``grad_scaler.scale(loss).backward()``
+    with a disabled scaler (bf16: identity), ``grad_scaler.step(optim)`` (``optim.step()``),
+    ``optim.zero_grad()`` (``set_to_none=True``)."""
+    import torch.nn.functional as F
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(batch["image"]), batch["label"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+# the benchmark's OPTIM_MAP, by the README table's row name: (module, class, extra keywords)
+_AO_OPTIMIZERS = {
+    "PyTorch (fused)": ("torch.optim", "AdamW", {"fused": True}),
+    "bnb 8-bit": ("bitsandbytes.optim", "AdamW8bit", {}),
+    "ao 8-bit": ("torchao.optim", "AdamW8bit", {}),
+    "ao FP8 E4M3": ("torchao.optim", "AdamWFp8", {}),
+    "ao 4-bit": ("torchao.optim", "AdamW4bit", {}),
+}
+
+
+def _ao_vit(name: str) -> Callable[[], Prediction]:
+    def predict() -> Prediction:
+        import importlib
+
+        module, cls, extra = _AO_OPTIMIZERS[name]
+        optimizer = getattr(importlib.import_module(module), cls)
+        return Prediction(vit_h(), ao_benchmark_batch(), {
+            "step": ao_benchmark_step,
+            "optimizer": lambda m: optimizer(m.parameters(), lr=1e-4, weight_decay=0, **extra)})
+
+    return predict
+
+
+_AO_README = ("https://github.com/pytorch/ao/blob/072500abcfbdec15a429eb53160c63fb92534b85/torchao/optim/README.md")
+_AO_STACK = ("PyTorch 2.4, timm, bitsandbytes and torchao's prototype low_bit_optim of mid-2024 (versions not stated "
+             "beyond PyTorch); benchmarks/benchmark_low_bit_adam.py --amp bf16 --compile --batch_size 8")
+_AO_DIFFERENCES = (
+    Difference("torch 2.4", "torch 2.4's kernels, Inductor and caching allocator; fxmem models torch 2.13"),
+    Difference("Inductor on CPU", "the compiled model (and torchao's compiled update) is estimated as Inductor's "
+               "CPU program, sized by the CUDA allocator: on the GPU Inductor writes Triton kernels, whose fusion "
+               "can keep other intermediates"),
+    Difference("whole epoch + eval", "the maximum over a whole epoch and the validation pass that follows it "
+               "(batch 8, no_grad: below a training step's peak) vs fxmem's run model of the training step"),
+)
+AO_ROWS = tuple(
+    Row(
+        key=f"ao-vit-h-{key}",
+        source=Source(_AO_README, "Low-bit and specialized optimizers (torchao README)", "2024 (PyTorch 2.4)",
+                      "section 'Benchmarks', first table (ViT-H on resisc45, 4070Ti SUPER)",
+                      f"AdamW impl | Peak memory allocated (GB) ... {name} | {gb}"),
+        setup=Setup(model="timm vit_huge_patch14_224 (630 M parameters), 45 classes", gpu="RTX 4070 Ti SUPER 16 GB",
+                    batch="8", seq_len="224x224 image (257 tokens)", precision="bf16 AMP (autocast), compiled model",
+                    optimizer=f"{name}: {module}.{cls}(lr=1e-4, weight_decay=0{', fused=True' if extra else ''})",
+                    stack=_AO_STACK, fxmem_gpu="RTX 4070 Ti SUPER"),
+        quantity=Quantity.ALLOCATED,
+        published=Published(f"{gb} GB", round(float(gb) * GB)),
+        predict=_ao_vit(name),
+        differences=_AO_DIFFERENCES,
+    )
+    for key, name, gb in (("fused-adamw", "PyTorch (fused)", "12.23"), ("bnb-8bit", "bnb 8-bit", "8.32"),
+                          ("ao-8bit", "ao 8-bit", "8.33"), ("ao-fp8", "ao FP8 E4M3", "8.33"),
+                          ("ao-4bit", "ao 4-bit", "7.72"))
+    for module, cls, extra in (_AO_OPTIMIZERS[name],)
+)
+
+
 # -- torchtitan: Llama 3.1 8B with FSDP2 (benchmarks/llama3_h100_202412_torchtitan.md) ---------------
 
 _TITAN = Source(
@@ -673,7 +764,7 @@ OB_ROWS = (
     ),
 )
 
-ROWS: tuple[Row, ...] = HF_ROWS + TUTORIAL_ROWS + LIT_ROWS + TITAN_ROWS + OB_ROWS
+ROWS: tuple[Row, ...] = HF_ROWS + TUTORIAL_ROWS + LIT_ROWS + TITAN_ROWS + OB_ROWS + AO_ROWS
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def notes(spec) -> tuple[str, ...]:
                      "tensors): on a GPU Inductor writes Triton kernels, whose fusion, and so which intermediates "
                      "exist, can differ; that cannot be compiled without a GPU. The buffers of its plan are sized and "
                      "rounded by the CUDA allocator as eager ones are")
-        if spec.precision.amp:
+        if spec.precision.amp or spec.step is not None:  # amp=, or a user's step's torch.autocast("cuda")
             found.append("autocast inside the compiled region follows the CPU's autocast op lists, not CUDA's: ops "
                          "CUDA runs in low precision may be counted in fp32 (an over-estimate)")
         if spec.compiled.mode == "reduce-overhead" or dict(spec.compiled.options).get("triton.cudagraphs"):

@@ -168,7 +168,8 @@ def user_step_context(spec: StepSpec):
         yield
         return
     with steps.finite_gradients(), deep_copies_in_mode(), (
-            cuda_autocast.device_autocast() if spec.target.is_cuda else contextlib.nullcontext()):
+            cuda_autocast.device_autocast(cuda_lists=spec.compiled is None) if spec.target.is_cuda
+            else contextlib.nullcontext()):
         yield
 
 

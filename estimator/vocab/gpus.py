@@ -111,6 +111,7 @@ SM_COUNTS = {
     "NVIDIA A100-SXM4-40GB": 108, "NVIDIA A100-SXM4-80GB": 108, "NVIDIA A10": 72, "NVIDIA A10G": 80,
     "NVIDIA L4": 58, "NVIDIA L40S": 142, "Tesla T4": 40, "Tesla V100-SXM2-16GB": 80,
     "Tesla V100-SXM2-32GB": 80, "NVIDIA GeForce RTX 4090": 128, "NVIDIA GeForce RTX 3090": 82,
+    "NVIDIA GeForce RTX 4070 Ti SUPER": 66,
 }
 
 GPUS: tuple[GpuSpec, ...] = (
@@ -154,6 +155,9 @@ GPUS: tuple[GpuSpec, ...] = (
     # nominal 24 GiB = 25,769,803,776 B.
     GpuSpec("NVIDIA GeForce RTX 3090", 8, 6, 24 * GiB, False,
             ("rtx 3090", "3090", "rtx 3090 24gb")),
+    # nominal 16 GiB = 17,179,869,184 B (AD103, 66 SMs; torchao's optimizer benchmarks ran on one).
+    GpuSpec("NVIDIA GeForce RTX 4070 Ti SUPER", 8, 9, 16 * GiB, False,
+            ("rtx 4070 ti super", "4070 ti super", "rtx 4070 ti super 16gb")),
 )
 
 # Bare family names that match several rows: the variant taken, and the others (with a name

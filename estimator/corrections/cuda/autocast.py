@@ -396,12 +396,14 @@ def emulate():
 
 
 @contextlib.contextmanager
-def device_autocast():
+def device_autocast(cuda_lists: bool = True):
     """A user's own step on the CUDA target (``report(step=)``): its ``torch.autocast("cuda",
     dtype)`` regions (``torch.cuda.amp.autocast`` too) autocast the fake CPU tensors, with CUDA's
-    op lists (``emulate()``, active for the block), and its ``torch.amp.GradScaler("cuda")``
-    scales as on the GPU.  Without a GPU both would disable themselves; autocast's default dtype
-    is CUDA's (``torch.get_autocast_dtype("cuda")``: fp16).
+    op lists (``emulate()``, active for the block; ``cuda_lists=False``: the CPU's, for a compiled
+    model, whose compiler traces autocast itself and would re-enter the emulation's kernels
+    without end), and its ``torch.amp.GradScaler("cuda")`` scales as on the GPU.  Without a GPU
+    both would disable themselves; autocast's default dtype is CUDA's
+    (``torch.get_autocast_dtype("cuda")``: fp16).
 
     ``torch.amp.autocast_mode.autocast.__init__`` and ``torch.amp.GradScaler.__init__`` are
     wrapped for the block (every alias -- ``torch.autocast``, ``torch.cuda.amp.autocast``,
@@ -419,7 +421,7 @@ def device_autocast():
 
     autocast.__init__, scaler.__init__ = autocast_init, scaler_init
     try:
-        with emulate():
+        with emulate() if cuda_lists else contextlib.nullcontext():
             yield
     finally:
         autocast.__init__, scaler.__init__ = original_autocast, original_scaler
