@@ -145,10 +145,12 @@ def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[
     return out, skipped
 
 
-# Optimizer what-ifs of compare and plan: the low-bit versions of the optimizer named, by label,
-# each where its library is installed (estimator.capture.steps.LOW_BIT_OPTIMIZERS).
+# Optimizer what-ifs of compare and plan: the low-bit version of the optimizer named, by label,
+# where its library is installed (estimator.capture.steps.LOW_BIT_OPTIMIZERS).  bitsandbytes' only:
+# torchao's compile their update per parameter shape, which would make every compare compile
+# (pass optimizers={"4-bit AdamW (torchao)": "adamw_torch_4bit"} for it).
 LOW_BIT_WHAT_IFS = {
-    "adamw": {"8-bit AdamW (bitsandbytes)": "adamw8bit", "4-bit AdamW (torchao)": "adamw_torch_4bit"},
+    "adamw": {"8-bit AdamW (bitsandbytes)": "adamw8bit"},
     "adam": {"8-bit Adam (bitsandbytes)": "adam8bit"},
 }
 _LIBRARY = {"adamw8bit": "bitsandbytes", "adam8bit": "bitsandbytes", "adamw_torch_4bit": "torchao"}
@@ -198,7 +200,7 @@ def compare(
     ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.
     ``optimizers``: what-ifs of the optimizer on one device, ``{label: optimizer}`` (a name or a
     factory, as ``optimizer``); default, with the default strategies, ``default_optimizers``:
-    the 8-bit and 4-bit versions of ``"adamw"`` / ``"adam"`` whose library is installed.  The other
+    bitsandbytes' 8-bit version of ``"adamw"`` / ``"adam"`` where it is installed.  The other
     arguments are ``estimator.report``'s (``device="cuda"`` by default, on the GPU ``gpu=``,
     default an H100; a user's own ``step=`` cannot combine with the strategies compared:
     estimate it with ``report``).  Each distinct single-device step is captured once.

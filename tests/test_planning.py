@@ -72,8 +72,8 @@ def test_compare_captures_each_step_once(monkeypatch):
 
 def test_compare_offers_low_bit_optimizers(monkeypatch):
     """An optimizer what-if is the report of the same step with that optimizer (one capture of its
-    own); the defaults are the low-bit versions of adamw whose library is installed, and a library
-    that is not is named among the skipped."""
+    own); the default is bitsandbytes' 8-bit AdamW where it is installed, else it is named among
+    the skipped."""
     pytest.importorskip("bitsandbytes")
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, [Strategy()], optimizers={"8-bit": "adamw8bit"}, device="cpu")
@@ -85,10 +85,12 @@ def test_compare_offers_low_bit_optimizers(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert list(planning.default_optimizers("adamw")[0]) == ["8-bit AdamW (bitsandbytes)"]
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     found, skipped = planning.default_optimizers("adamw")
-    assert list(found) == ["8-bit AdamW (bitsandbytes)"] and skipped == [
-        "4-bit AdamW (torchao): torchao is not installed (pip install torchao)"]
+    assert found == {} and skipped == ["8-bit AdamW (bitsandbytes): bitsandbytes is not installed (pip install "
+                                       "bitsandbytes)"]
     assert planning.default_optimizers("adamw", "inference") == ({}, [])
     assert planning.default_optimizers("sgd") == ({}, [])
     with pytest.raises(InputError, match="optimizers must be a dict"):

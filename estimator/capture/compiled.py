@@ -227,8 +227,9 @@ def eager_regions_note(found: dict[str, Any], target) -> tuple[str, ...]:
     """What the functions an eager step compiled itself became (``fake_runtime(None)``'s dict)."""
     where = (": on a GPU Inductor writes Triton kernels instead of the C++ ones of the capture's CPU program, whose "
              "fusion, and so which intermediates exist, can differ" if target.is_cuda else "")
-    return (f"the step calls torch.compile'd functions (torchao's optimizers compile their update): Dynamo compiled "
-            f"{found['graphs']} graph(s), estimated as Inductor's program allocates their buffers{where}",)
+    return (f"the step calls functions it passes to torch.compile (torchao's low-bit optimizers do, for their update): "
+            f"Dynamo compiled {found['graphs']} graph(s), estimated as Inductor's program allocates their "
+            f"buffers{where}",)
 
 
 def _no_kernel(*args, **kwargs) -> None:
@@ -323,12 +324,14 @@ def fake_runtime(spec: Compiled | None):
     else:
         _running[0] += 1
         found["reset"] = torch._dynamo.reset()  # what Dynamo remembers of earlier frames would steer this one
-    counters.clear()
+        counters.clear()
+    # an eager step counts from here (the counters are not cleared for it)
+    graphs, breaks = counters["stats"]["unique_graphs"], set(counters["graph_break"])
     try:
         with dynamo, quiet, regions, patched(codecache.PyCodeCache, "load_by_key_path", classmethod(_load_fake)):
             yield found
-        found["graphs"] = counters["stats"]["unique_graphs"]
-        found["breaks"] = [reason.split("\n")[0] for reason in counters["graph_break"]]
+        found["graphs"] = counters["stats"]["unique_graphs"] - graphs
+        found["breaks"] = [reason.split("\n")[0] for reason in counters["graph_break"] if reason not in breaks]
     finally:
         if "reset" in found:
             torch._dynamo.reset()  # nothing of the fake copies stays in Dynamo's caches

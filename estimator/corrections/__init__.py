@@ -37,6 +37,7 @@ from estimator.corrections.registry import (
     in_managed_memory,
     lookup,
     managed_state,
+    model_rule,
     on_host,
     optimizer_rule,
     registered,
@@ -46,6 +47,7 @@ from estimator.corrections.registry import (
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state",
-    "in_managed_memory", "lookup", "managed_state", "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
+    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for",
+    "has_substitutes", "host_state", "in_managed_memory", "lookup", "managed_state", "model_rule", "on_host",
+    "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
 ]

@@ -168,26 +168,25 @@ def substitute(*fns, targets: Iterable[Target]) -> Callable[[SubstituteFn], Subs
     return register
 
 
-def optimizer_rule(*, targets: Iterable[Target]) -> Callable[[OptimizerRule], OptimizerRule]:
-    """Register ``rule(target_spec, optimizer)``, applied to the optimizer once it is built."""
+def _appending(table: dict, targets: Iterable[Target]) -> Callable:
+    """A decorator that appends its function to ``table[target]`` for each of ``targets``."""
 
-    def register(rule: OptimizerRule) -> OptimizerRule:
+    def register(rule):
         for target in _targets(targets):
-            _OPTIMIZER_RULES.setdefault(target, []).append(rule)
+            table.setdefault(target, []).append(rule)
         return rule
 
     return register
+
+
+def optimizer_rule(*, targets: Iterable[Target]) -> Callable[[OptimizerRule], OptimizerRule]:
+    """Register ``rule(target_spec, optimizer)``, applied to the optimizer once it is built."""
+    return _appending(_OPTIMIZER_RULES, targets)
 
 
 def host_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
     """Register ``rule(optimizer, group, key, value) -> bool``: state kept in host memory."""
-
-    def register(rule: HostRule) -> HostRule:
-        for target in _targets(targets):
-            _HOST_RULES.setdefault(target, []).append(rule)
-        return rule
-
-    return register
+    return _appending(_HOST_RULES, targets)
 
 
 def on_host(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str, value: torch.Tensor) -> bool:
@@ -196,13 +195,7 @@ def on_host(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: 
 
 def managed_state(*, targets: Iterable[Target]) -> Callable[[HostRule], HostRule]:
     """Register ``rule(optimizer, group, key, value) -> bool``: state kept in managed memory."""
-
-    def register(rule: HostRule) -> HostRule:
-        for target in _targets(targets):
-            _MANAGED_RULES.setdefault(target, []).append(rule)
-        return rule
-
-    return register
+    return _appending(_MANAGED_RULES, targets)
 
 
 def in_managed_memory(target: Target, optimizer: torch.optim.Optimizer, group: dict, key: str,
@@ -364,13 +357,7 @@ def has_substitutes(target: Target) -> bool:
 
 def model_rule(*, targets: Iterable[Target]) -> Callable:
     """Register ``rule(target_spec, model)``, applied to the fake copy of the model."""
-
-    def register(rule):
-        for target in _targets(targets):
-            _MODEL_RULES.setdefault(target, []).append(rule)
-        return rule
-
-    return register
+    return _appending(_MODEL_RULES, targets)
 
 
 def apply_model_rules(spec, model: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""bitsandbytes' optimizers: their CPU kernels run on the fake tensors; their paged state on CUDA.
+"""bitsandbytes per target: its CPU optimizer kernels run on fake tensors; CUDA paged state and 4-bit weights.
 
 bitsandbytes' 8-bit and 32-bit optimizers (``Adam8bit``, ``AdamW8bit``, ``Lion8bit``,
 ``PagedAdamW`` …, and the fp32-state fallback of tensors under ``min_8bit_size``) update each
