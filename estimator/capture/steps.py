@@ -645,7 +645,8 @@ def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 def parameter_attributes(p: torch.Tensor) -> dict[str, Any]:
     """The Python attributes of a parameter of a ``Parameter`` subclass (``Params4bit``'s
     ``quant_state``, ``blocksize``, ``module`` …), which a fake copy must keep; {} for others."""
-    if not isinstance(p, nn.Parameter) or type(p) is nn.Parameter:
+    kind = type(p)  # (a fake parameter is a FakeTensor flagged as a parameter: not a subclass, no attributes)
+    if kind is nn.Parameter or not issubclass(kind, nn.Parameter):
         return {}
     return dict(vars(p))
 
