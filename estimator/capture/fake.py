@@ -116,6 +116,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
         for value in state[Category.PARAMETER].values():
             if attributes := steps.parameter_attributes(value):
                 memo[id(value)].__dict__.update(copy.deepcopy(attributes, memo))
+                memo[id(value)].__dict__[steps.COPIED_ATTRIBUTES] = tuple(attributes)
     except Exception as exc:
         raise CaptureError(
             f"could not copy the model ({type(exc).__name__}: {exc}); fxmem deep-copies the module "

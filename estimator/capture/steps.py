@@ -642,13 +642,19 @@ def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return found
 
 
+COPIED_ATTRIBUTES = "_fxmem_parameter_attributes"  # on a fake parameter: the names it was given (fake_model)
+
+
 def parameter_attributes(p: torch.Tensor) -> dict[str, Any]:
     """The Python attributes of a parameter of a ``Parameter`` subclass (``Params4bit``'s
-    ``quant_state``, ``blocksize``, ``module`` …), which a fake copy must keep; {} for others."""
-    kind = type(p)  # (a fake parameter is a FakeTensor flagged as a parameter: not a subclass, no attributes)
-    if kind is nn.Parameter or not issubclass(kind, nn.Parameter):
-        return {}
-    return dict(vars(p))
+    ``quant_state``, ``blocksize``, ``module`` …), which a fake copy must keep, and those the fake
+    copy was given (``COPIED_ATTRIBUTES``: a fake parameter is a ``FakeTensor`` flagged as a
+    parameter, whose own attributes are the fake mode's); {} for others."""
+    kind = type(p)
+    if kind is not nn.Parameter and issubclass(kind, nn.Parameter):
+        return dict(vars(p))
+    names = p.__dict__.get(COPIED_ATTRIBUTES, ()) if isinstance(p, FakeTensor) else ()
+    return {name: p.__dict__[name] for name in names}
 
 
 def parameter_attribute_tensors(name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
