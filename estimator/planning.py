@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from estimator.capture import steps
 from estimator.orchestrate.checked import device_name, sample_batch
 from estimator.orchestrate.estimate import estimate_each
 from estimator.reporting.result import Report
@@ -153,7 +154,14 @@ LOW_BIT_WHAT_IFS = {
     "adamw": {"8-bit AdamW (bitsandbytes)": "adamw8bit"},
     "adam": {"8-bit Adam (bitsandbytes)": "adam8bit"},
 }
-_LIBRARY = {"adamw8bit": "bitsandbytes", "adam8bit": "bitsandbytes", "adamw_torch_4bit": "torchao"}
+
+
+def _library(optimizer: Any) -> str | None:
+    """The library of a low-bit optimizer name (``steps.LOW_BIT_OPTIMIZERS``), else None."""
+    if not isinstance(optimizer, str):
+        return None
+    found = steps.LOW_BIT_OPTIMIZERS.get(optimizer.lower().replace("_", "").replace("-", ""))
+    return None if found is None else found[0].split(".")[0]
 
 
 def default_optimizers(optimizer: Any, mode: str = "train") -> tuple[dict[str, str], list[str]]:
@@ -165,7 +173,7 @@ def default_optimizers(optimizer: Any, mode: str = "train") -> tuple[dict[str, s
         return {}, []
     found, skipped = {}, []
     for label, name in LOW_BIT_WHAT_IFS.get(optimizer.lower(), {}).items():
-        library = _LIBRARY[name]
+        library = _library(name)
         if importlib.util.find_spec(library) is None:
             skipped.append(f"{label}: {library} is not installed (pip install {library})")
         else:
@@ -332,10 +340,10 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
 
 def optimizer_cost(optimizer: Any) -> str:
     """What an optimizer what-if costs besides memory, in words."""
-    name = _optimizer_label(optimizer)
-    if name in _LIBRARY:
-        return f"quantizes the optimizer state at every step (block-wise, {_LIBRARY[name]})"
-    return f"optimizer {name}"
+    library = _library(optimizer)
+    if library is not None:
+        return f"quantizes the optimizer state at every step (block-wise, {library})"
+    return f"optimizer {_optimizer_label(optimizer)}"
 
 
 def _optimizer_label(optimizer: Any) -> str:
