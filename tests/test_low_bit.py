@@ -214,15 +214,15 @@ def test_float8_matmul_on_the_cpu_kernel():
     for M, K, N in ((16, 256, 512), (256, 16, 512)):
         a = torch.randn(M, K).to(torch.float8_e4m3fn)
         b = torch.randn(N, K).to(torch.float8_e4m3fn).t()
-        scale = torch.ones(M, 1), torch.ones(1, N)  # rowwise (tensorwise adds two wrapped scalars, 12 B)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = torch._scaled_mm(a, b, *scale, out_dtype=torch.bfloat16)
-        running = peak = 0
-        for _, delta in _allocation_deltas(prof):
-            running += delta
-            peak = max(peak, running)
-        fix = lookup(torch.ops.aten._scaled_mm.default, (a, b, *scale), {"out_dtype": torch.bfloat16}, out)
-        assert peak - out.untyped_storage().nbytes() == max(int(x) for x in fix.scratch), (M, K, N)
+        for scale in ((torch.ones(M, 1), torch.ones(1, N)), (torch.tensor(1.0), torch.tensor(1.0))):  # row, tensor
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = torch._scaled_mm(a, b, *scale, out_dtype=torch.bfloat16)
+            running = peak = 0
+            for _, delta in _allocation_deltas(prof):
+                running += delta
+                peak = max(peak, running)
+            fix = lookup(torch.ops.aten._scaled_mm.default, (a, b, *scale), {"out_dtype": torch.bfloat16}, out)
+            assert peak - out.untyped_storage().nbytes() == max(int(x) for x in fix.scratch), (M, K, N, scale[0].shape)
 
 
 def test_float8_training_is_captured():

@@ -97,6 +97,14 @@ def _wrapper_subclass(args, kwargs) -> type | None:
     return None
 
 
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``, or the tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
+    if isinstance(t, FakeTensor) or not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [x for attr in t.__tensor_flatten__()[0] if isinstance(inner := getattr(t, attr), torch.Tensor)
+            for x in _inner(inner)]
+
+
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
 
@@ -284,6 +292,8 @@ class Tracker(TorchDispatchMode):
         self.ops.append(event)
         leaves = _leaves(out)
         outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if subclass is not None:  # a subclass's outputs hold the inner tensors its ops made, not storage of their own
+            outputs = [x for t in outputs for x in _inner(t)]
         new = {}  # id of an output tensor whose storage this op allocated -> its key
         for i, t in enumerate(outputs):
             key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))
