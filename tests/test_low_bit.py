@@ -225,6 +225,27 @@ def test_float8_matmul_on_the_cpu_kernel():
             assert peak - out.untyped_storage().nbytes() == max(int(x) for x in fix.scratch), (M, K, N, scale[0].shape)
 
 
+@pytest.mark.parametrize("recipe", [None, "rowwise"])
+def test_float8_training_matches_real_cpu_steps(recipe):
+    """torchao's float8 training on the CPU target, tensorwise (the default) and rowwise recipes,
+    against real CPU train steps at b = 16 (fp8 matmuls need multiples of 16): exact.  The rowwise
+    backward's ``grad.mul_(scale)`` (bf16 by fp32, in place) holds an fp32 copy and an fp32 result
+    (``registry._promoted_input_bytes``)."""
+    pytest.importorskip("torchao")
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).to(torch.bfloat16)
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe) if recipe else None)
+        return model
+
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    with threads(2):
+        assert estimator.report(build(), x, device="cpu").peak_bytes == measure_cpu(build(), x).peak_bytes
+
+
 def test_float8_training_is_captured():
     """torchao's float8 training (``convert_to_float8_training``): its ``Float8TrainingTensor``
     operands are fake where their inner tensors are (``capture/fake.py``), and the ops its own

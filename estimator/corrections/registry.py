@@ -540,14 +540,21 @@ def _promoted_input_bytes(func, args):
     input's elements alive during the op, which the meta kernel does not allocate.  E.g. the
     backward of ``scatter_reduce(..., "amax")`` multiplies a bool mask by a float gradient
     (torch/csrc/autograd/FunctionsManual.cpp ``scatter_reduce_backward``): a float copy of the
-    mask.  Python numbers are ``_wrapped_scalar_bytes``'."""
-    if func._overloadpacket.__name__.rstrip("_") not in _WRAPS_SCALAR or len(args) < 2:
+    mask.  In place, an output of another dtype than the common one is computed into a temporary
+    of the common dtype and copied back (``cast_common_dtype_to_outputs``: ``empty_like(output,
+    common_dtype_)``): torchao's rowwise float8 ``grad.mul_(scale)``, a bf16 tensor times an fp32
+    scale, holds an fp32 copy of it and an fp32 result (measured: 2 x 524,288 B for (256, 512)).
+    Python numbers are ``_wrapped_scalar_bytes``'."""
+    name = func._overloadpacket.__name__
+    if name.rstrip("_") not in _WRAPS_SCALAR or len(args) < 2:
         return 0
     a, b = args[0], args[1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype == b.dtype:
         return 0
     common = torch.result_type(a, b)
-    return sum(as_expr(t.numel()) * common.itemsize for t in (a, b) if t.dtype != common)
+    copies = sum(as_expr(t.numel()) * common.itemsize for t in (a, b) if t.dtype != common)
+    in_place = name.endswith("_") and a.dtype != common
+    return copies + (as_expr(a.numel()) * common.itemsize if in_place else 0)
 
 
 # Ops whose backward formula for ``self`` needs ``other`` (tools/autograd/derivatives.yaml:
