@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from estimator.capture.records import Decoding, RawCapture, RunMarks
+from estimator.vocab.bookkeeping import collector_paused
 from estimator.vocab.categories import Born, Category, Phase
 from estimator.vocab.symbolic import ZERO, Poly, fit
 
@@ -140,6 +141,7 @@ def _sum(vector: Vector) -> Poly:
     return total
 
 
+@collector_paused()
 def account(raw: RawCapture) -> Timeline:
     current = [ZERO] * len(CATEGORIES)
     freed_after: dict[int, int] = {}
@@ -156,24 +158,27 @@ def account(raw: RawCapture) -> Timeline:
     total = _sum(current)
 
     ops = []
+    nothing = (ZERO,) * len(CATEGORIES)
+    live = tuple(current)  # shared by the ops between which nothing is allocated or freed
     for i, event in enumerate(raw.ops):
-        allocated = [ZERO] * len(CATEGORIES)
-        for sid in event.allocs:
-            storage = raw.storages[sid]
-            k = _INDEX[storage.category]
-            allocated[k] += storage.nbytes
-            current[k] += storage.nbytes
-            total += storage.nbytes
-        ops.append(
-            OpMemory(
-                i, event.name, event.node, event.phase, event.module, tuple(current), tuple(allocated), event.scratch, total,
-                event.owner,
-            )
-        )
+        allocated = nothing
+        if event.allocs:
+            made = [ZERO] * len(CATEGORIES)
+            for sid in event.allocs:
+                storage = raw.storages[sid]
+                k = _INDEX[storage.category]
+                made[k] += storage.nbytes
+                current[k] += storage.nbytes
+                total += storage.nbytes
+            allocated, live = tuple(made), tuple(current)
+        ops.append(OpMemory(i, event.name, event.node, event.phase, event.module, live, allocated, event.scratch, total,
+                            event.owner))
         for sid in event.frees:
             storage = raw.storages[sid]
             current[_INDEX[storage.category]] -= storage.nbytes
             total -= storage.nbytes
+        if event.frees:
+            live = tuple(current)
 
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
     return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,

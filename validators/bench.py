@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_map_only
 
+from validators.strategies import write_section
+
 CASES = [
     # (zoo name, size, batch, mode, target device)
     ("resnet", "resnet50", 32, "train", "cpu"),
@@ -238,6 +240,99 @@ def run_speed(name: str) -> dict:
         return _child(["-m", "validators.bench", "--speed", name], cache)
 
 
+GENERATE_TOKENS = (8, 256)  # new tokens: a report of each, the same model and prompt
+GENERATE_REPEATS = 5  # timed runs of each, alternating (the median is reported)
+GENERATE_MARKS = ("<!-- generate-length -->", "<!-- /generate-length -->")
+
+
+def generate_case() -> dict:
+    """``report(mode="generate")`` of the generation validator's tiny Llama (prompt 16, b = 2, the
+    CUDA target) at ``GENERATE_TOKENS`` new tokens, each the median of ``GENERATE_REPEATS`` warm
+    runs in this process, alternating; the longest once with every decode step captured (as
+    before the extension, ``capture/decode_steps.py``); and Llama-3-8B's config (``_llama3_8b``)."""
+    import estimator
+    from estimator.capture import decode_steps
+    from validators import generate as gen
+
+    model, sample = gen.make_model("llama"), gen.make_sample(2, 16)
+
+    def report(n: int):
+        return estimator.report(model, sample, mode="generate", new_tokens=n, device="cuda")
+
+    for n in GENERATE_TOKENS:  # warm: the fake-kernel caches
+        report(n)
+    times: dict[int, list[float]] = {n: [] for n in GENERATE_TOKENS}
+    reports = {}
+    for _ in range(GENERATE_REPEATS):  # alternating, so that a slower spell of the machine hits both
+        for n in GENERATE_TOKENS:
+            t = time.perf_counter()
+            reports[n] = report(n)
+            times[n].append(time.perf_counter() - t)
+    found = {n: (statistics.median(times[n]), reports[n]) for n in GENERATE_TOKENS}
+    shortened, decode_steps.shortened = decode_steps.shortened, lambda spec: None
+    try:
+        t = time.perf_counter()
+        full = report(GENERATE_TOKENS[-1])
+        full_s = time.perf_counter() - t
+    finally:
+        decode_steps.shortened = shortened
+    longest = found[GENERATE_TOKENS[-1]][1]
+    assert longest.timeline.storages == full.timeline.storages and longest.cuda == full.cuda  # the same capture
+    return {"tokens": {n: {"report_s": t, "ops": len(r.timeline.ops), "peak": r.peak_bytes}
+                       for n, (t, r) in found.items()}, "every_step_s": full_s, "llama3_8b": _llama3_8b()}
+
+
+LLAMA3_TOKENS = (16, 512)
+
+
+def _llama3_8b() -> dict:
+    """``generate`` of Llama-3-8B's config on the meta device (bf16, 8 prompts of 512 tokens, the
+    CUDA target) at ``LLAMA3_TOKENS`` new tokens: one run each (the data-dependent values from a
+    narrow stand-in's real run)."""
+    import estimator
+    from estimator.integrations._common import import_optional
+
+    transformers = import_optional("transformers", "the generate benchmark")
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (8, 512), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for n in LLAMA3_TOKENS:
+        t = time.perf_counter()
+        rep = estimator.report(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, mode="generate",
+                               new_tokens=n)
+        found[n] = {"report_s": time.perf_counter() - t, "ops": len(rep.timeline.ops), "peak": rep.peak_bytes}
+    return found
+
+
+def generate_markdown(found: dict) -> str:
+    from estimator.capture.decode_steps import CALLS
+
+    (short, a), (long, b) = ((n, found["tokens"][n]) for n in GENERATE_TOKENS)
+    ratio = b["report_s"] / a["report_s"]
+    return "\n".join([
+        GENERATE_MARKS[0],
+        "## Generated length",
+        "",
+        f"`report(mode=\"generate\")` of a tiny Llama (2 layers, prompt 16, b = 2, the CUDA target; "
+        f"`python -m validators.bench --generate`), the median of {GENERATE_REPEATS} warm runs of each, alternating: "
+        f"{short} new tokens "
+        f"{a['report_s']:.2f} s ({a['ops']:,} ops), {long} new tokens {b['report_s']:.2f} s ({b['ops']:,} ops): "
+        f"**{ratio:.2f}x** (target: <= 1.5x). The decode steps are captured for {CALLS} calls of the "
+        "model and extended to every one (`estimator/capture/decode_steps.py`); the rest grows with the ops "
+        f"(accounting and the allocator replay). With every step captured, {long} new tokens took "
+        f"{found['every_step_s']:.1f} s here (one run), the same timeline. Llama-3-8B's config on the meta device "
+        "(bf16, 8 prompts of 512 tokens, one run each): "
+        + ", ".join(f"{n} new tokens {r['report_s']:.1f} s ({r['ops']:,} ops)" for n, r in found["llama3_8b"].items())
+        + " (target for 512: <= 15 s, which needs the repeated blocks captured once too: the 6 calls of 32 layers "
+        "are most of it).",
+        GENERATE_MARKS[1],
+    ])
+
+
 COLD_COMMAND = ["report", "mlp", "--batch", "8"]
 COLD_REPEATS = 5
 
@@ -345,7 +440,14 @@ def main(argv=None) -> int:
                         "in this process (prints it)")
     parser.add_argument("--speed-only", action="store_true", help="run the models against the bare fake step and "
                         "the cold start only (prints them)")
+    parser.add_argument("--generate", action="store_true", help="run the generated-length case only and write "
+                        "its section of --out")
     args = parser.parse_args(argv)
+    if args.generate:
+        found = generate_case()
+        print(json.dumps(found), flush=True)
+        write_section(args.out, generate_markdown(found), GENERATE_MARKS)
+        return 0
     if args.speed:
         print(json.dumps(speed_case(args.speed)), flush=True)
         return 0
@@ -367,7 +469,7 @@ def main(argv=None) -> int:
         result = run_cold_and_warm(*case)
         print(json.dumps(result), flush=True)
         results.append(result)
-    args.out.write_text(to_markdown(results, compare, speed, cold))
+    args.out.write_text(to_markdown(results, compare, speed, cold) + "\n" + generate_markdown(generate_case()) + "\n")
     return 0
 
 

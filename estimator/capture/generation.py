@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import sys
 
 import torch
 
-from estimator.corrections.patches import patched_all
+from estimator.corrections.patches import patched, patched_all
 
 # (class, the positional names of its int arguments, in order), logits_process.py (transformers 5)
 _INT_CHECKED = {
@@ -53,6 +54,59 @@ def symbolic_lengths():
         replacements.append((cls, "__init__", init))
     with patched_all(replacements):
         yield
+
+
+@contextlib.contextmanager
+def stopped_after(model: torch.nn.Module, calls: int | None):
+    """Within it, ``model.generate()``'s loop is left after ``calls`` calls of the model (None: as
+    it runs).  The loop asks ``_has_unfinished_sequences`` (host Python, no tensor op) before each
+    iteration; the first consumes the prefill's output, each later one calls the model once
+    (transformers/generation/utils.py ``_sample``): it is left as a real run of ``calls`` tokens
+    leaves it, every size still the one the call's arguments give (``max_new_tokens``)."""
+    if calls is None:
+        yield
+        return
+    asked = itertools.count(1)
+    original = model._has_unfinished_sequences
+
+    def unfinished(*args, **kwargs) -> bool:
+        return next(asked) <= calls and original(*args, **kwargs)
+
+    with patched(model, "_has_unfinished_sequences", unfinished):
+        yield
+
+
+# Cache layers (transformers/cache_utils.py) whose tensors grow the same way at every decode step
+# once steady: by one token (DynamicLayer), not at all (StaticLayer), or by one token dropped and
+# one added once the window is full (the sliding ones, by the attribute that bounds them)
+_STEADY_LAYERS = {"DynamicLayer": None, "StaticLayer": None,
+                  "DynamicSlidingWindowLayer": "sliding_window", "StaticSlidingWindowLayer": "max_cache_len"}
+_LENGTHS = {"DynamicSlidingWindowLayer": "cumulative_length", "StaticSlidingWindowLayer": "cumulative_length_int"}
+
+
+def cache_steady(cache) -> bool | None:
+    """Whether every layer of a transformers cache now grows as it will at every later decode step
+    (a sliding window already full); False while a window still fills; None for a cache whose
+    growth fxmem does not know (quantized or offloaded layers, a cache of another kind, a window
+    whose fill depends on a symbolic prompt length)."""
+    caches = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    caches = [c for c in caches if c is not None] or [cache]  # an encoder-decoder cache: both of its caches
+    steady = True
+    for c in caches:
+        layers = getattr(c, "layers", None)
+        if not isinstance(layers, list) or getattr(c, "offloading", False):
+            return None
+        for layer in layers:
+            kind = type(layer).__name__
+            if kind not in _STEADY_LAYERS:
+                return None
+            if _STEADY_LAYERS[kind] is None:
+                continue
+            length, window = getattr(layer, _LENGTHS[kind], None), getattr(layer, _STEADY_LAYERS[kind], None)
+            if not isinstance(length, int) or not isinstance(window, int):
+                return None
+            steady = steady and length >= window
+    return steady
 
 
 # The width-like fields of transformers configs a narrow stand-in shrinks (the other fields,

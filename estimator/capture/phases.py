@@ -23,7 +23,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
-from estimator.capture import steps
+from estimator.capture import generation, steps
 from estimator.capture.fake import deep_copies_in_mode
 from estimator.capture.records import Decoding, RunMarks, StepSpec
 from estimator.capture.symbols import hint
@@ -123,7 +123,7 @@ def run_marks(tracker: Tracker, model: nn.Module, optimizers: list, watch_model:
 
 
 @contextlib.contextmanager
-def decoding(tracker: Tracker, model: nn.Module):
+def decoding(tracker: Tracker, model: nn.Module, shape_env=None):
     """While ``model.generate`` is recorded: the op each call of the model starts at, and after
     each call the KV cache its output carries (``cache``, ``past_key_values`` before transformers
     renamed it: every tensor the cache object holds) labelled ``Category.KV_CACHE`` for its whole life (a dynamic cache's ``torch.cat``
@@ -143,18 +143,28 @@ def decoding(tracker: Tracker, model: nn.Module):
             _relabel(tracker, t, Category.KV_CACHE)
         # keys/values are (batch, heads, tokens, head_dim): bytes per token and sequence
         per_token = [t.element_size() * math.prod(hint(n) for n in (*t.shape[1:-2], t.shape[-1])) for t in tensors]
-        last.update(bytes_per_token=sum(per_token),
-                    tokens=max((hint(t.shape[-2]) for t in tensors), default=0), cache=type(cache).__name__)
+        tokens = max((hint(t.shape[-2]) for t in tensors), default=0)
+        steady = generation.cache_steady(cache)
+        settled = last.get("steady_from", 0)
+        if settled is not None and not steady:  # None: never steady; False: from the next call at the earliest
+            settled = None if steady is None else len(calls)
+        last.update(bytes_per_token=sum(per_token), tokens=tokens, grown=tokens - last.get("tokens", tokens),
+                    cache=type(cache).__name__, steady_from=settled)
 
-    handles = [model.register_forward_pre_hook(lambda *_: calls.append(len(tracker.ops))),
-               model.register_forward_hook(returned)]
+    marks: list[int] = []  # the shape environment's guards as each call starts (s symbolic: each step adds some)
+
+    def called(*_):
+        calls.append(len(tracker.ops))
+        marks.append(len(shape_env.guards) if shape_env is not None else 0)
+
+    handles = [model.register_forward_pre_hook(called), model.register_forward_hook(returned)]
     found: dict[str, Decoding] = {}
     try:
         yield found
     finally:
         for handle in handles:
             handle.remove()
-    found["decoding"] = Decoding(tuple(calls), **last)
+    found["decoding"] = Decoding(tuple(calls), **last, guard_marks=tuple(marks))
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ calls and the KV cache (``Decoding``).  ``trace.capture`` takes the one and retu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import fx
 
@@ -65,6 +66,11 @@ class Decoding:
     bytes_per_token: int = 0
     tokens: int = 0
     cache: str = ""  # the cache's class name (DynamicCache, StaticCache, ...)
+    grown: int = 0  # the tokens the cache gained at the last call (a dynamic cache: 1; a static one: 0)
+    # the first call from which the cache grows as it will to the end (a sliding window full;
+    # ``generation.cache_steady``); None: a cache whose growth fxmem does not know
+    steady_from: int | None = 0
+    guard_marks: tuple[int, ...] = ()  # the shape environment's number of guards as each call starts
 
 
 @dataclass
@@ -88,3 +94,6 @@ class RawCapture:
     marks: RunMarks = RunMarks()  # where a run's first step makes its state
     decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
     managed: int = 0  # bytes of state in CUDA managed memory, outside the caching allocator (paged optimizers)
+    # mode="generate", s symbolic: the guards (in b and s) each call of the model added, from its first op to
+    # the next call's (``Decoding.guard_marks``)
+    call_guards: tuple[tuple[Any, ...], ...] = ()

@@ -52,6 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from estimator.capture import generation
 from estimator.capture.checkpointing import checkpointing
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Category, Mode, Phase
@@ -377,6 +378,9 @@ class Generation:
 
     new_tokens: int
     cache_implementation: str | None = None
+    # the capture's shortened run (``capture.decode_steps``): generate() as for ``new_tokens``, its
+    # loop left after this many calls of the model (None: every call)
+    stop_after: int | None = None
 
     def kwargs(self) -> dict[str, Any]:
         kwargs = {"max_new_tokens": self.new_tokens, "min_new_tokens": self.new_tokens, "do_sample": False}
@@ -385,7 +389,8 @@ class Generation:
         return kwargs
 
     def __call__(self, model: nn.Module, sample: Any, state: Any = None) -> Any:
-        return model.generate(**sample, **self.kwargs())
+        with generation.stopped_after(model, self.stop_after):
+            return model.generate(**sample, **self.kwargs())
 
     @staticmethod
     def prompt(sample: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

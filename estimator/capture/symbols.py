@@ -111,10 +111,11 @@ def _ceil_coefficients(expr: sympy.Expr) -> sympy.Expr:
 
 
 def to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: int = 1,
-                     sites: tuple[Site, ...] = ()) -> RawCapture:
+                     sites: tuple[Site, ...] = (), marks: tuple[int, ...] = ()) -> RawCapture:
     """Map the batch symbols to ``b`` (and the sequence symbols to ``s``) and read the valid
     ranges from the guards.  With ``k`` micro-batches the batch symbol is the micro-batch
-    ``m = b / k``."""
+    ``m = b / k``.  ``marks``: the number of guards at the start of each call of the model
+    (``mode="generate"``): ``RawCapture.call_guards`` has the guards each call added."""
     batch, seq = symbols
     lo, hi = symbol_range(shape_env, batch, "batch size", SymbolicCaptureFailed)
     lo, hi = k * lo, None if hi is None else k * hi
@@ -123,7 +124,10 @@ def to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: in
     rounded: list[str] = []  # micro-batch byte counts whose coefficients were rounded up
     to_b = {shape_env.replace(s): micro for s in batch} | {s: micro for s in batch}
     to_b |= {shape_env.replace(s): S for s in seq} | {s: S for s in seq}
-    exprs = [g.expr.xreplace(to_b) for g in shape_env.guards if g.expr.free_symbols & set(to_b)]
+    mapped = [(i, g.expr.xreplace(to_b)) for i, g in enumerate(shape_env.guards) if g.expr.free_symbols & set(to_b)]
+    exprs = [e for _, e in mapped]
+    ends = (*marks[1:], len(shape_env.guards))
+    call_guards = tuple(tuple(e for i, e in mapped if start <= i < end) for start, end in zip(marks, ends))
     lo, hi = narrow(lo, hi, exprs, B)
     seq_lo, seq_hi = narrow(seq_lo, seq_hi, exprs, S)
     guards = tuple(dict.fromkeys(str(e) for e in exprs))
@@ -165,7 +169,7 @@ def to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: in
     sites = tuple(dataclasses.replace(site, upper=in_b(site.upper), used=in_b(site.used)) for site in sites)
     return RawCapture(tracker.ops, storages, graph, lo, hi, guards, (seq_lo, seq_hi) if seq else None,
                       rounded=tuple(dict.fromkeys(rounded)), data_dependent=sites,
-                      freed_first=tuple(tracker.freed_first))
+                      freed_first=tuple(tracker.freed_first), call_guards=call_guards)
 
 
 def _integer_in_micro(expr, k: int) -> bool:

@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections
-from estimator.capture import compiled, datadep, generation, isolation, phases, steps, symbols, tracing
+from estimator.capture import compiled, datadep, decode_steps, generation, isolation, phases, steps, symbols, tracing
 from estimator.capture.checkpointing import checkpointing
 from estimator.capture.fake import (
     RealTensors,
@@ -50,6 +50,7 @@ from estimator.corrections.cpu import host as cpu_target
 from estimator.corrections.cpu import matmul as cpu_matmul
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.corrections.mode import Substitutions
+from estimator.vocab import progress
 from estimator.vocab.categories import Born, Mode, Phase
 from estimator.vocab.data_dependent import Policy
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
@@ -65,12 +66,29 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     libraries.load_imported()  # the entries of the libraries the model or its optimizer imported
     with isolation.quiet(), isolation.conversions_as_for_real(), tracing.as_for_real(), \
             isolation.global_hooks_suspended() as suspended:
-        raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+        raw = _capture_steps(model, sample, spec, batch, symbolic, seq_dims)
     if suspended:
         raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
                       "the like) were not run by the capture (they would have been handed fake tensors): memory "
                       "they keep alive is not counted",)
     return raw
+
+
+def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+                   seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """``_capture_probed``; ``generate()`` with many new tokens from a run of a few calls of the
+    model extended to all of them (``decode_steps``), or every call where the steps do not repeat."""
+    short = decode_steps.shortened(spec)
+    if short is None:
+        return _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+    try:
+        return decode_steps.extend(_capture_probed(model, sample, short, batch, symbolic, seq_dims),
+                                   spec.step.new_tokens)
+    except decode_steps.NotRepeating as exc:
+        raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+        raw.notes += (f"generate(): every decode step was captured ({spec.step.new_tokens} calls of the model), as "
+                      f"a run of {decode_steps.CALLS} did not prove the steps repeat: {exc}",)
+        return raw
 
 
 def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -258,9 +276,11 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         before = phases.model_state(fmodel)
         user_phases = phases.phases(tracker, fmodel) if user else contextlib.nullcontext()
         dd.new_step()
-        decoding = phases.decoding(tracker, fmodel) if spec.mode is Mode.GENERATE else contextlib.nullcontext({})
+        decoding = phases.decoding(tracker, fmodel, shape_env) if spec.mode is Mode.GENERATE \
+            else contextlib.nullcontext({})
         with tracker, module_hooks, phases.grad_order(fmodel) as grad_order, real.track(tracker), user_phases, \
-                phases.run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks, decoding as decoded:
+                phases.run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks, decoding as decoded, \
+                progress.task(f"capture ({spec.mode.value})", unit="op") as tracker.bar:
             result = run_step(phases.on_phase(tracker, fmodel))
         tracker.flush()
         after = phases.model_state(fmodel)
@@ -294,6 +314,9 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         notes += compiled.regions_note(regions)
     elif regions.get("graphs"):
         notes += compiled.eager_regions_note(regions, spec.target)
+    decoding = decoded.get("decoding")  # the guards' marks are read here, once
+    guard_marks, decoding = (decoding.guard_marks, dataclasses.replace(decoding, guard_marks=())) if decoding \
+        else ((), None)
     if not symbolic:
         storages = {sid: symbols.with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra)))
                     for sid, s in tracker.storages.items()}
@@ -302,11 +325,11 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
-                          freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoded.get("decoding"),
+                          freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
                           managed=sum(managed.values()))
-    raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()))
+    raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()), guard_marks)
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
-    raw.marks, raw.decoding, raw.managed = marks["marks"], decoded.get("decoding"), sum(managed.values())
+    raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
     return raw
 
 

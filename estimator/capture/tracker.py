@@ -23,6 +23,7 @@ from estimator.capture import compiled
 from estimator.capture.grad_sums import GradSums
 from estimator.capture.graph import GraphRecorder
 from estimator.corrections.cpu.host import KernelCall
+from estimator.vocab import progress
 from estimator.vocab.categories import Born, Category, Phase
 from estimator.vocab.symbolic import as_expr
 from estimator.vocab.target import TargetSpec
@@ -132,6 +133,7 @@ class Tracker(TorchDispatchMode):
         self._ran: list = []  # autograd nodes holding wrapped numbers that backward just ran
         self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
         self.sums = GradSums(self)
+        self.bar = progress.SILENT  # the ops recorded, for a progress bar (``vocab.progress``)
 
     def __enter__(self):
         self._engine = self.sums.engine()
@@ -290,6 +292,7 @@ class Tracker(TorchDispatchMode):
         event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
         index = len(self.ops)
         self.ops.append(event)
+        self.bar.update()
         leaves = _leaves(out)
         outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
         if subclass is not None:  # a subclass's outputs hold the inner tensors its ops made, not storage of their own

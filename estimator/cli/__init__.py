@@ -25,6 +25,7 @@ import click
 
 from estimator.capture import watchdog
 from estimator.cli.commands import EXIT_CAPTURE, EXIT_INTERRUPTED, EXIT_OK, INTERRUPTED, cli
+from estimator.progress_bars import progress
 
 __all__ = ["cli", "entry", "main"]
 
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _on_sigint) if main_thread else None
     try:
-        result = cli.main(args=argv, prog_name="fxmem", standalone_mode=False)
+        with progress(show=None):  # bars for long work where standard error is a terminal
+            result = cli.main(args=argv, prog_name="fxmem", standalone_mode=False)
     except click.exceptions.Exit as exc:  # raised inside commands (standalone_mode=False passes it)
         return exc.exit_code
     except click.ClickException as exc:

@@ -25,6 +25,8 @@ transformers' ``is_fake_tensor``                       traced?" answered as for 
 ``torch.amp.GradScaler._maybe_opt_step``               ``capture.steps.finite_gradients``
 ``__init__`` of transformers' int-checked logits       ``capture.generation.symbolic_lengths``
 processors
+``_has_unfinished_sequences`` of the model             ``capture.generation.stopped_after``: the
+generating (its instance)                              shortened run of ``capture.decode_steps``
 ``PyCodeCache.load_by_key_path``, ``AsyncCompile``'s   ``capture.compiled``: Inductor's generated
 kernel compilers                                       wrapper loads, its kernels never compile
 ``torch.hub.download_url_to_file``                     ``integrations._common``: building a model

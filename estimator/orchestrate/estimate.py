@@ -25,7 +25,8 @@ from estimator.orchestrate.checked import Checked, check
 from estimator.orchestrate.path import Captured, Formula
 from estimator.ranks.per_rank import per_rank
 from estimator.reporting.result import Generated, ModuleRow, Piece, RankReport, Report
-from estimator.vocab import gpus
+from estimator.vocab import gpus, progress
+from estimator.vocab.bookkeeping import collector_paused
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.data_dependent import Policy, Source
 from estimator.vocab.errors import CaptureError, FxmemError, InputError
@@ -57,13 +58,16 @@ def estimate_each(requests: Mapping[str, Request]) -> dict[str, Report]:
     checks = {label: check(request) for label, request in requests.items()}  # every argument before any capture
     formulas = {}
     out = {}
-    for label, checked in checks.items():
-        if checked.capture_key not in formulas:
-            formulas[checked.capture_key] = capture_formula(checked)
-        out[label] = result(checked, capture_step(checked, formulas[checked.capture_key]))
+    with progress.task("steps of the comparison", total=len(checks), unit="step") as bar:
+        for label, checked in checks.items():
+            if checked.capture_key not in formulas:
+                formulas[checked.capture_key] = capture_formula(checked)
+            out[label] = result(checked, capture_step(checked, formulas[checked.capture_key]))
+            bar.update()
     return out
 
 
+@collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it
 def result(checked: Checked, captured: Captured) -> Report:
     """The report of the request ``checked`` from its captured step: one device's, or every rank's."""
     spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch

@@ -160,8 +160,8 @@ def _annotate(graph, timeline: Timeline) -> None:
     """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
     allocated by category, its module path and phase."""
     nodes = {node.name: node for node in graph.nodes}
-    for op in timeline.ops:
-        node = nodes.get(op.node)
+    for op in reversed(timeline.ops):  # an extended generate() runs a node once per step: its last run's
+        node = nodes.pop(op.node, None)
         if node is not None:
             node.meta["fxmem"] = {
                 "live": op.total.expr,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -74,8 +75,11 @@ class Poly:
     def _plus(self, other: Poly, sign: int) -> Poly:
         """``self + sign * other`` (``sign`` is 1 or -1)."""
         a, c = self.coeffs, other.coeffs
-        n = max(len(a), len(c))
-        coeffs = tuple((a[i] if i < len(a) else 0) + sign * (c[i] if i < len(c) else 0) for i in range(n))
+        if len(a) == len(c):  # the common case (byte counts c0 + c1*b): no padding, no index tests
+            coeffs = tuple(map(operator.add if sign == 1 else operator.sub, a, c))
+        else:
+            n = max(len(a), len(c))
+            coeffs = tuple((a[i] if i < len(a) else 0) + sign * (c[i] if i < len(c) else 0) for i in range(n))
         if not self.mixed and not other.mixed:
             return _trim(coeffs)
         return _make(coeffs, _merge(self.mixed, tuple((i, j, sign * x) for i, j, x in other.mixed)))

@@ -46,6 +46,7 @@ import sympy
 import torch
 from torch.utils._pytree import tree_flatten
 
+from estimator.vocab import progress
 from estimator.vocab.errors import SequenceNotSymbolic
 from estimator.vocab.symbolic import as_expr
 from estimator.vocab.units import GiB
@@ -356,8 +357,10 @@ def _run(calls: list[Concrete]) -> list[Measured | None]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     outputs: list[tuple[int | None, ...] | None] = []
-    with _quiet_stderr(), torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+            progress.task("kernels measured on this host", total=len(calls), unit="call") as bar:
         for i, call in enumerate(calls):
+            bar.update()
             args, kwargs = call.materialize()
             inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)}
