@@ -30,6 +30,7 @@ def _model(family: str, **config) -> torch.nn.Module:
     if family in gen.MODELS and not config:
         return gen.make_model(family)
     build = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+             "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
              "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config)}[family]
     torch.manual_seed(0)
     return build[0](build[1](**SMALL, **config)).eval()
@@ -63,6 +64,7 @@ def _extended(rep) -> bool:
     ("llama", {}, None, "cuda", CALLS + 3),  # DynamicCache: torch.cat at every step
     ("llama", {}, "static", "cuda", CALLS + 3),  # StaticCache: sized for every token at the prefill, in place
     ("gpt2", {}, None, "cuda", CALLS + 1),  # one step built
+    ("qwen2", {}, None, "cuda", CALLS + 3),
     ("mixtral", {}, None, "cuda", CALLS + 3),  # experts: routed sizes at their bound, the same at every step
     ("gemma2", {"head_dim": 16, "sliding_window": 8}, None, "cuda", CALLS + 3),  # alternating layers, window full
     ("llama", {"attn_implementation": "eager"}, "static", "cpu", CALLS + 3),  # no kernel measured on the host
