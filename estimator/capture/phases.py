@@ -128,7 +128,8 @@ def decoding(tracker: Tracker, model: nn.Module, shape_env=None):
     each call the KV cache its output carries (``cache``, ``past_key_values`` before transformers
     renamed it: every tensor the cache object holds) labelled ``Category.KV_CACHE`` for its whole life (a dynamic cache's ``torch.cat``
     results, a static cache's buffers); yields a dict whose ``"decoding"`` is set when the step
-    has run."""
+    has run, and ``"guard_marks"``: the shape environment's number of guards as each call started
+    (``symbols.to_batch_symbol`` splits the guards by call)."""
     calls: list[int] = []
     last: dict[str, Any] = {}
 
@@ -158,13 +159,14 @@ def decoding(tracker: Tracker, model: nn.Module, shape_env=None):
         marks.append(len(shape_env.guards) if shape_env is not None else 0)
 
     handles = [model.register_forward_pre_hook(called), model.register_forward_hook(returned)]
-    found: dict[str, Decoding] = {}
+    found: dict[str, Any] = {}
     try:
         yield found
     finally:
         for handle in handles:
             handle.remove()
-    found["decoding"] = Decoding(tuple(calls), **last, guard_marks=tuple(marks))
+    found["decoding"] = Decoding(tuple(calls), **last)
+    found["guard_marks"] = tuple(marks)
 
 
 @contextlib.contextmanager

@@ -70,7 +70,6 @@ class Decoding:
     # the first call from which the cache grows as it will to the end (a sliding window full;
     # ``generation.cache_steady``); None: a cache whose growth fxmem does not know
     steady_from: int | None = 0
-    guard_marks: tuple[int, ...] = ()  # the shape environment's number of guards as each call starts
 
 
 @dataclass
@@ -95,5 +94,5 @@ class RawCapture:
     decoding: Decoding | None = None  # mode="generate": the model's calls and the KV cache
     managed: int = 0  # bytes of state in CUDA managed memory, outside the caching allocator (paged optimizers)
     # mode="generate", s symbolic: the guards (in b and s) each call of the model added, from its first op to
-    # the next call's (``Decoding.guard_marks``)
+    # the next call's (``phases.decoding``'s guard marks)
     call_guards: tuple[tuple[Any, ...], ...] = ()

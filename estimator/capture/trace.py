@@ -314,9 +314,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         notes += compiled.regions_note(regions)
     elif regions.get("graphs"):
         notes += compiled.eager_regions_note(regions, spec.target)
-    decoding = decoded.get("decoding")  # the guards' marks are read here, once
-    guard_marks, decoding = (decoding.guard_marks, dataclasses.replace(decoding, guard_marks=())) if decoding \
-        else ((), None)
+    decoding = decoded.get("decoding")
     if not symbolic:
         storages = {sid: symbols.with_bytes(s, Poly.const(int(s.nbytes) + int(s.extra)))
                     for sid, s in tracker.storages.items()}
@@ -327,7 +325,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
                           managed=sum(managed.values()))
-    raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()), guard_marks)
+    raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
+                                  decoded.get("guard_marks", ()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
     return raw
