@@ -54,6 +54,7 @@ from estimator.vocab.categories import Mode
 from estimator.vocab.symbolic import B, S, ZERO
 
 CALLS = 6  # the prefill, the first decode step, three proving the repetition, the last
+FIRST, BEFORE, TEMPLATE, LAST = CALLS - 4, CALLS - 3, CALLS - 2, CALLS - 1  # the proving steps, the last one
 
 
 class NotRepeating(Exception):
@@ -105,7 +106,7 @@ class _Extension:
         if settled is None:
             raise NotRepeating(f"its {raw.decoding.cache} has layers whose growth fxmem does not know (quantized, "
                                "offloaded, or a sliding window that follows a symbolic prompt length)")
-        if settled > CALLS - 4:
+        if settled > FIRST:
             raise NotRepeating(f"a sliding window of its {raw.decoding.cache} was still filling at decode step "
                                f"{settled - 1}: the steps after it differ")
         self.raw = raw
@@ -150,19 +151,17 @@ class _Extension:
         return f"{op.name} in {op.module or 'generate()'} at decode step {segment}"
 
     def run(self, new_tokens: int) -> RawCapture:
-        last = CALLS - 1
-        template, before, first = last - 1, last - 2, last - 3  # the three steps that prove it
-        proof = [self._ops(s) for s in (first, before, template)]
+        proof = [self._ops(s) for s in (FIRST, BEFORE, TEMPLATE)]
         signatures = [[self._signature(op) for op in ops] for ops in proof]
         if not signatures[0] == signatures[1] == signatures[2]:
             offset = next((o for o, (a, b, c) in enumerate(zip(*signatures)) if not a == b == c),
                           min(map(len, signatures)))
-            raise NotRepeating(f"decode steps {first} to {template} run different ops (first at op {offset} of "
-                               f"step {first}: {self._where(first, min(offset, len(proof[0]) - 1))})")
-        moves = self._moves(proof, first)
-        pattern = self._fates(before, proof)
-        self._ends(template, last, moves, pattern)
-        return self._guarded(self._built(new_tokens, template, last, moves, pattern), new_tokens - CALLS)
+            raise NotRepeating(f"decode steps {FIRST} to {TEMPLATE} run different ops (first at op {offset} of "
+                               f"step {FIRST}: {self._where(FIRST, min(offset, len(proof[0]) - 1))})")
+        moves = self._moves(proof)
+        pattern = self._fates(proof)
+        self._ends(moves, pattern)
+        return self._guarded(self._built(new_tokens, moves, pattern), new_tokens - CALLS)
 
     def _guarded(self, raw: RawCapture, extra: int) -> RawCapture:
         """With ``s`` symbolic each step adds the guards of its position (``s + k <= 2048``: the
@@ -171,22 +170,21 @@ class _Extension:
         last step the captured last one's moved to its call, and the ranges narrow by them.  The
         captured last step's guard is one a real last step does not add (its test is done by
         then): the range in ``s`` comes out one token short of the full capture's, on the safe side."""
-        last = CALLS - 1
         per_call = self.raw.call_guards
         if not any(per_call):
             return raw
-        if len(per_call) != CALLS or not per_call[last - 1] == _later(per_call[last - 2], 1) \
-                == _later(_later(per_call[last - 3], 1), 1):
+        if len(per_call) != CALLS or not per_call[TEMPLATE] == _later(per_call[BEFORE], 1) \
+                == _later(per_call[FIRST], 2):
             raise NotRepeating("the decode steps add guards on s that do not move with the position: "
-                               + "; ".join(", ".join(map(str, g)) for g in per_call[last - 3:last]))
-        added = [e for k in range(1, extra + 1) for e in _later(per_call[last - 1], k)] + list(_later(per_call[last],
-                                                                                                      extra))
+                               + "; ".join(", ".join(map(str, g)) for g in per_call[FIRST:LAST]))
+        added = [e for k in range(1, extra + 1) for e in _later(per_call[TEMPLATE], k)] + \
+            list(_later(per_call[LAST], extra))
         valid = symbols.narrow(raw.valid_from, raw.valid_to, added, B)
         seq = symbols.narrow(*raw.seq_range, added, S) if raw.seq_range is not None else None
         guards = tuple(dict.fromkeys((*raw.guards, *map(str, added))))
         return dataclasses.replace(raw, valid_from=valid[0], valid_to=valid[1], seq_range=seq, guards=guards)
 
-    def _moves(self, proof: list[list[OpEvent]], first: int) -> list[tuple[list, list]]:
+    def _moves(self, proof: list[list[OpEvent]]) -> list[tuple[list, list]]:
         """For each op of the template step, how each output's bytes and each scratch value move
         from one step to the next; ``NotRepeating`` where they do not move on a line."""
         storages = self.raw.storages
@@ -197,18 +195,18 @@ class _Extension:
             for values in (sizes, scratch):
                 for a, b, c in zip(*values):
                     if c - b != b - a:
-                        raise NotRepeating(f"{self._where(first, offset)}: its bytes do not grow by the same amount "
+                        raise NotRepeating(f"{self._where(FIRST, offset)}: its bytes do not grow by the same amount "
                                            f"at each step ({a}, {b}, {c})")
             move = ([c - b for b, c in zip(sizes[1], sizes[2])], [c - b for b, c in zip(scratch[1], scratch[2])])
             if ops[2].kernel is not None and any(m != ZERO for m in (*move[0], *move[1])):
                 # a kernel measured on the host (CPU target) picks its buffers by size ranges (oneDNN,
                 # the flash kernel's splits): a line through three steps may not hold at the last
-                raise NotRepeating(f"{self._where(first, offset)} is measured on this host and its buffers follow "
+                raise NotRepeating(f"{self._where(FIRST, offset)} is measured on this host and its buffers follow "
                                    "the cache length: each step's call is measured")
             moves.append(move)
         return moves
 
-    def _fates(self, before: int, proof: list[list[OpEvent]]) -> dict[tuple[int, int], Any]:
+    def _fates(self, proof: list[list[OpEvent]]) -> dict[tuple[int, int], Any]:
         """The fate of each output of a proven step (``_fate``), the same in the first two of them,
         each freed in its own step or the next, or never; the proven steps free nothing made
         before the step before them."""
@@ -217,10 +215,10 @@ class _Extension:
             for k, (sa, sb) in enumerate(zip(a.allocs, b.allocs)):
                 fate = self._fate(sb)
                 if self._fate(sa) != fate or (fate is not None and fate[0] > 1):
-                    raise NotRepeating(f"{self._where(before, offset)}: a tensor it makes is not freed where the "
+                    raise NotRepeating(f"{self._where(BEFORE, offset)}: a tensor it makes is not freed where the "
                                        "previous step's is, or lives past the next step")
                 pattern[offset, k] = fate
-        for segment in (before, before + 1):
+        for segment in (BEFORE, TEMPLATE):
             for offset, op in enumerate(self._ops(segment)):
                 if any(self.slot[s].segment not in (segment, segment - 1) if s in self.slot else True
                        for s in op.frees):
@@ -228,42 +226,42 @@ class _Extension:
                                        "step (state of the run, not of a step)")
         return pattern
 
-    def _ends(self, template: int, last: int, moves, pattern) -> None:
+    def _ends(self, moves, pattern) -> None:
         """The template frees its own tensors as the pattern says; the last step is the template's
         program up to where it stops, its bytes one more move along each line."""
-        for offset, op in enumerate(self._ops(template)):
+        template_ops = self._ops(TEMPLATE)
+        for offset, op in enumerate(template_ops):
             for k, sid in enumerate(op.allocs):
                 fate, expected = self._fate(sid), pattern[offset, k]
                 if (fate is not None and fate[0] == 0 or expected is not None and expected[0] == 0) \
                         and fate != expected:
-                    raise NotRepeating(f"{self._where(template, offset)}: a tensor it makes is not freed where the "
+                    raise NotRepeating(f"{self._where(TEMPLATE, offset)}: a tensor it makes is not freed where the "
                                        "previous step's is")
-        ops = self._ops(last)
-        template_ops = self._ops(template)
+        ops = self._ops(LAST)
         kept = [tuple(s not in self.freed_at for s in op.allocs) for op in ops]  # the run's result
         if len(ops) > len(template_ops) or [self._signature(op, k) for op, k in zip(ops, kept)] != \
                 [self._signature(op, k) for op, k in zip(template_ops, kept)]:
-            raise NotRepeating(f"the last decode step ({last}) is not the steps' program up to where it stops")
+            raise NotRepeating(f"the last decode step ({LAST}) is not the steps' program up to where it stops")
         storages = self.raw.storages
         for offset, (op, ref) in enumerate(zip(ops, template_ops)):
             sizes, scratch = moves[offset]
             grown = [storages[s].nbytes - storages[r].nbytes for s, r in zip(op.allocs, ref.allocs)]
             grown_scratch = [s - r for s, r in zip(op.scratch, ref.scratch)]
             if grown != sizes or grown_scratch != scratch:
-                raise NotRepeating(f"{self._where(last, offset)}: the last step's bytes are not one more step along "
+                raise NotRepeating(f"{self._where(LAST, offset)}: the last step's bytes are not one more step along "
                                    "the line of the steps before")
             for sid in op.frees:
                 made = self.slot.get(sid)
-                if made is not None and made.segment in (template - 1, template - 2):
-                    raise NotRepeating(f"{self._where(last, offset)}: frees a tensor a decode step made two or more "
+                if made is not None and made.segment in (FIRST, BEFORE):
+                    raise NotRepeating(f"{self._where(LAST, offset)}: frees a tensor a decode step made two or more "
                                        "steps before (kept to the end of the run)")
 
-    def _built(self, new_tokens: int, template: int, last: int, moves, pattern) -> RawCapture:
+    def _built(self, new_tokens: int, moves, pattern) -> RawCapture:
         raw, storages = self.raw, self.raw.storages
         extra = new_tokens - CALLS  # the steps built between the template and the last one (>= 1)
-        keep = self.starts[last]  # every op before the last step stays where it is
+        keep = self.starts[LAST]  # every op before the last step stays where it is
         ops: list[OpEvent] = list(raw.ops[:keep])
-        template_ops = self._ops(template)
+        template_ops = self._ops(TEMPLATE)
         made: dict[int, Any] = {}  # the storages the extension makes, in the order it makes them
         keys = itertools.count(max(storages, default=0) + 1)
         # the step before the one being built: its storages by (offset, index); the template's are
@@ -289,23 +287,24 @@ class _Extension:
         # the last step, moved to call n - 1: what the step before made it frees as the captured
         # last step freed the template's; what earlier calls made, as captured
         shift, moved = len(ops) - keep, {}
-        for offset, op in enumerate(self._ops(last)):
+        for offset, op in enumerate(self._ops(LAST)):
             sizes, scratch = moves[offset]
             for sid, move in zip(op.allocs, sizes):
                 moved[sid] = _moved(storages[sid], move * extra, storages[sid].op + shift)
             frees = [previous[self.slot[s].offset, self.slot[s].index]
-                     if s in self.slot and self.slot[s].segment == template else s for s in op.frees]
+                     if s in self.slot and self.slot[s].segment == TEMPLATE else s for s in op.frees]
             ops.append(dataclasses.replace(op, frees=frees,
                                            scratch=tuple(s + m * extra for s, m in zip(op.scratch, scratch))))
+        # the built steps' storages go before the last step's, as a full capture makes them
         order = list(storages)
-        at = next((n for n, sid in enumerate(order) if sid in moved or storages[sid].op >= keep), len(order))
-        new_storages = {sid: moved.get(sid, storages[sid]) for sid in order[:at]} | made \
+        at = next((n for n, sid in enumerate(order) if sid in moved), len(order))
+        new_storages = {sid: storages[sid] for sid in order[:at]} | made \
             | {sid: moved.get(sid, storages[sid]) for sid in order[at:]}
         step_ops = len(template_ops)
-        calls = (*raw.decoding.calls[:last], *(keep + step_ops * i for i in range(extra)), keep + shift)
+        calls = (*raw.decoding.calls[:LAST], *(keep + step_ops * i for i in range(extra)), keep + shift)
         decoding = dataclasses.replace(raw.decoding, calls=calls, tokens=raw.decoding.tokens + extra * raw.decoding.grown)
-        note = (f"generate(): {new_tokens} calls of the model from a run of {CALLS}: its decode steps {last - 3} to "
-                f"{last - 1} ran the same ops, their bytes on one line, so steps {last} to {new_tokens - 2} are "
+        note = (f"generate(): {new_tokens} calls of the model from a run of {CALLS}: its decode steps {FIRST} to "
+                f"{TEMPLATE} ran the same ops, their bytes on one line, so steps {LAST} to {new_tokens - 2} are "
                 f"built from them and the last step moved to call {new_tokens - 1} (exact: "
                 "estimator/capture/decode_steps.py); report.graph is the shortened run's")
         return dataclasses.replace(raw, ops=ops, storages=new_storages, decoding=decoding, notes=(*raw.notes, note))
