@@ -321,7 +321,8 @@ def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
 def name_owners(tracker: Tracker, model: nn.Module, optimizers: list) -> None:
     """``Storage.owner``: the parameter name of each parameter storage and of its optimizer
     state (gradients are named when backward ends): what sharding and pipeline stages divide by
-    parameter."""
+    parameter; state the target keeps off the device (a step count on the host) names the
+    optimizer ops that read it (``Tracker.host_owners``)."""
     for name, p in model.named_parameters():
         states = [optimizer.state.get(p, {}) for optimizer in optimizers]
         for t in [p, *(v for state in states for v in state.values() if isinstance(v, torch.Tensor))]:
@@ -330,7 +331,9 @@ def name_owners(tracker: Tracker, model: nn.Module, optimizers: list) -> None:
 
 def _own(tracker: Tracker, t: torch.Tensor, name: str) -> None:
     key = tracker.key_of(t)
-    if key is not None and key in tracker.storages and tracker.storages[key].owner is None:
+    if key is None:
+        tracker.host_owners[id(t)] = name
+    elif key in tracker.storages and tracker.storages[key].owner is None:
         tracker.storages[key].owner = name
 
 

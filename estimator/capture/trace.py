@@ -30,7 +30,18 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator import corrections
-from estimator.capture import compiled, datadep, decode_steps, generation, isolation, phases, steps, symbols, tracing
+from estimator.capture import (
+    compiled,
+    datadep,
+    decode_steps,
+    generation,
+    isolation,
+    phases,
+    repeated_blocks,
+    steps,
+    symbols,
+    tracing,
+)
 from estimator.capture.checkpointing import checkpointing
 from estimator.capture.fake import (
     RealTensors,
@@ -76,6 +87,24 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
 
 def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
                    seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """``_capture_generated``; a model whose blocks repeat from a capture of a few of them
+    extended to all (``repeated_blocks``), or every block where the capture does not prove they repeat."""
+    blocks = repeated_blocks.plan(model, spec)
+    if blocks is None:
+        return _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
+    try:
+        shallow = _capture_generated(repeated_blocks.shallow(model, blocks), sample, spec, batch, symbolic, seq_dims)
+        return repeated_blocks.extend(shallow, blocks)
+    except Exception as exc:  # noqa: BLE001 (code that counts the blocks, indexes them: the full model runs)
+        reason = exc if isinstance(exc, repeated_blocks.NotRepeating) else f"the shallow copy failed: {exc}"
+    raw = _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
+    raw.notes += (f"{blocks.name}: every one of its {blocks.blocks} blocks was captured, as a capture of "
+                  f"{repeated_blocks.UNITS * blocks.period} did not prove they repeat: {reason}",)
+    return raw
+
+
+def _capture_generated(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+                       seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
     """``_capture_probed``; ``generate()`` with many new tokens from a run of a few calls of the
     model extended to all of them (``decode_steps``), or every call where the steps do not repeat."""
     short = decode_steps.shortened(spec)

@@ -118,16 +118,17 @@ class Tracker(TorchDispatchMode):
         self.storages: dict[int, Storage] = {}
         self._keys = itertools.count()  # keys of self.storages (an in-place gradient sum drops one)
         self.ops: list[OpEvent] = []
-        self.phase = Phase.FORWARD
+        self._module_stack: list[str] = []
+        self._phase, self._backward_depth = Phase.FORWARD, 0
         # Storage address -> (key in self.storages, weak reference).  Addresses are reused
         # after a free, so the records are keyed by a counter instead.
         self._alive: dict[int, tuple[int, weakref.ref]] = {}
         self._pending_frees: list[int] = []
         self._module_names = module_names
-        self._module_stack: list[str] = []
         self._module_of_seq: dict[int, str] = {}  # autograd sequence nr -> module (for backward)
         self.recorder = GraphRecorder()
         self.params_with_grad: set[int] | None = None  # ids of the parameters backward gave a grad
+        self.host_owners: dict[int, str] = {}  # id of optimizer state kept off the target (a step count) -> parameter
         self.freed_first: list[int] = []  # state freed before the step's first op
         self._saved: list[tuple[weakref.ref, torch.Tensor]] = []  # (output, wrapped number) to hand to its node
         self._ran: list = []  # autograd nodes holding wrapped numbers that backward just ran
@@ -237,6 +238,21 @@ class Tracker(TorchDispatchMode):
         self._pending_frees = []
 
     # -- module paths -------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        """Leaving backward drops the modules its recomputations entered and never left (a
+        non-reentrant checkpoint stops its recomputation by an exception once it has what backward
+        needs: the module's forward hook never runs)."""
+        if phase is Phase.BACKWARD and self._phase is not Phase.BACKWARD:
+            self._backward_depth = len(self._module_stack)
+        elif self._phase is Phase.BACKWARD and phase is not Phase.BACKWARD:
+            del self._module_stack[self._backward_depth:]
+        self._phase = phase
+
     def enter_module(self, module: torch.nn.Module) -> None:
         self._module_stack.append(self._module_names.get(id(module), type(module).__name__))
 
@@ -318,8 +334,10 @@ class Tracker(TorchDispatchMode):
         return out
 
     def _owner(self, t) -> str | None:
-        key = self.key_of(t) if isinstance(t, torch.Tensor) else None
-        return None if key is None else self.storages[key].owner
+        if not isinstance(t, torch.Tensor):
+            return None
+        key = self.key_of(t)
+        return self.host_owners.get(id(t)) if key is None else self.storages[key].owner
 
     def _own_outputs(self, args, outputs: list[torch.Tensor], new: list[int]) -> str | None:
         """Name the parameter an optimizer temporary is computed for: the output ``i`` of a

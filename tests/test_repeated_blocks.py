@@ -1,0 +1,213 @@
+"""A deep model from a capture of a few of its blocks (``estimator/capture/repeated_blocks.py``): the
+extended capture is the full capture, event for event (both paths compared on several model
+families, periods, strategies and both targets), it matches a real CPU step, and every case where
+the blocks are not proven to repeat captures every block and says why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import estimator
+from estimator.capture import repeated_blocks
+from estimator.capture.records import StepSpec
+from estimator.capture.repeated_blocks import UNITS, Plan
+from estimator.vocab.categories import Mode
+from models_zoo import gpt
+from validators.cpu import measure_cpu
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+
+
+def _model(family: str, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256,
+                                                                    bos_token_id=0, eos_token_id=0))
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config}[family]
+    extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+             "gemma2": dict(head_dim=16, sliding_window=8)}.get(family, {})
+    return transformers.AutoModelForCausalLM.from_config(config(num_hidden_layers=layers, **SMALL, **extra))
+
+
+def _sample(b: int = 2, s: int = 16) -> dict:
+    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _both(model, sample, **kwargs):
+    """The report as fxmem makes it, and with every block captured."""
+    extended = estimator.report(model, sample, **kwargs)
+    plan = repeated_blocks.plan
+    repeated_blocks.plan = lambda model, spec: None
+    try:
+        full = estimator.report(model, sample, **kwargs)
+    finally:
+        repeated_blocks.plan = plan
+    return extended, full
+
+
+def _events(rep) -> tuple:
+    """Everything of a report's timeline but the fx node names (the built blocks name the nodes
+    of the block they were built from)."""
+    t = rep.timeline
+    ops = tuple((op.op, op.phase, op.module, op.live, op.allocated, op.scratch, op.total, op.owner) for op in t.ops)
+    return t.baseline, ops, t.storages, t.owners, t.births, t.grad_order, t.marks
+
+
+def _extended(rep) -> bool:
+    return any("blocks from a capture of" in note for note in rep.notes)
+
+
+def _same(extended, full) -> None:
+    assert _extended(extended) and not _extended(full)
+    assert _events(extended) == _events(full)
+    # the report itself: formula pieces, range, breakdown, module rows, CUDA memory, ranks (all but the note)
+    assert _report(extended) == _report(full)
+
+
+def _report(rep):
+    """A report but the extension's note, the count of host-measured kernel calls (the captured
+    blocks': the extension's note says so) and the fx node names (a built block's are the template's)."""
+    pieces = tuple(dataclasses.replace(p, node=None) for p in rep.pieces)
+    notes = tuple(n for n in rep.notes if "blocks from a capture of" not in n and "kernel calls" not in n)
+    return dataclasses.replace(rep, notes=notes, pieces=pieces,
+                               peak_piece=dataclasses.replace(rep.peak_piece, node=None),
+                               ranks=tuple(dataclasses.replace(r, report=_report(r.report)) for r in rep.ranks))
+
+
+@pytest.mark.parametrize("family, layers, device, mode", [
+    ("llama", 8, "cuda", "train"),
+    ("llama", 12, "cpu", "train"),
+    ("llama", 9, "cuda", "inference"),
+    ("qwen2", 8, "cpu", "inference"),
+    ("gpt2", 8, "cuda", "train"),
+    ("mixtral", 8, "cuda", "train"),
+    ("gemma2", 12, "cuda", "train"),  # sliding and global attention alternate: units of 2 blocks
+])
+def test_extended_capture_is_the_full_capture(family, layers, device, mode):
+    _same(*_both(_model(family, layers), _sample(), device=device, mode=mode))
+
+
+@pytest.mark.parametrize("strategy", [
+    estimator.Strategy(checkpoint="model.layers.*"),
+    estimator.Strategy(accumulate=2, amp="bf16"),
+    estimator.Strategy(data_parallel=4, sharding="zero3"),
+    estimator.Strategy(pipeline=2),
+], ids=["checkpoint", "accumulate-amp", "zero3", "pipeline"])
+def test_strategies_see_every_block(strategy):
+    _same(*_both(_model("llama", 8), _sample(), strategy=strategy))
+
+
+def test_symbolic_sequence_length():
+    """The formula in b and s (the zoo's GPT, 8 blocks, CPU target: its attention keeps s a symbol)."""
+    model, make_sample, loss_fn = gpt.make(gpt.Config(n_layer=8))
+    extended, full = _both(model, make_sample(4), batch=4, loss_fn=loss_fn, device="cpu",
+                           dynamic={"input_ids": {1: "s"}})
+    _same(extended, full)
+    assert extended.seq == 32 and {str(x) for x in extended.peak.free_symbols} == {"b", "s"}
+
+
+def test_matches_a_real_cpu_step():
+    """The 10-block model's predicted peak is the real step's, byte for byte (b = 2 and 5)."""
+    model = _model("llama", 10)
+    rep = estimator.report(model, _sample(), device="cpu")
+    assert _extended(rep)
+    for b in (2, 5):
+        assert rep.at(b) == measure_cpu(model, _sample(b)).peak_bytes
+
+
+class Block(nn.Module):
+    def __init__(self, layer_idx: int, odd_one: int | None = None):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.layer_idx, self.odd_one = layer_idx, odd_one
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x))
+        if self.layer_idx == self.odd_one:  # a program its settings do not show
+            y = y + torch.ones(4096)[:16]
+        return y
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 8, odd_one: int | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(i, odd_one) for i in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_root_sequential_and_a_plain_stack():
+    _same(*_both(Stack(), torch.randn(4, 16), device="cpu"))
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(7)))
+    extended, full = _both(model, torch.randn(4, 16), loss_fn=lambda out, x: out.sum())
+    _same(extended, full)
+    assert "7 blocks from a capture of 5" in next(n for n in extended.notes if "blocks from" in n)
+
+
+def test_a_block_that_differs_is_captured_in_full():
+    """Block 2's program differs (its settings do not say so): the proof fails, every block is
+    captured, and the note names the blocks."""
+    rep = estimator.report(Stack(odd_one=2), torch.randn(4, 16), device="cpu")
+    note = next(n for n in rep.notes if "every one of its" in n)
+    assert "blocks: every one of its 8 blocks was captured, as a capture of 5 did not prove they repeat" in note
+    assert "blocks.1 to blocks.6 do not hold the same tensors, or do not free them alike: first at tensor" in note
+    plan = repeated_blocks.plan
+    repeated_blocks.plan = lambda model, spec: None
+    try:
+        full = estimator.report(Stack(odd_one=2), torch.randn(4, 16), device="cpu")
+    finally:
+        repeated_blocks.plan = plan
+    assert _events(rep) == _events(full)
+
+
+class Indexed(Stack):
+    def forward(self, x):
+        for i in range(8):  # the blocks by their index: the shallow copy has no block 3
+            x = self.blocks[i](x)
+        return x.sum()
+
+
+def test_a_model_the_shallow_copy_cannot_run_is_captured_in_full():
+    rep = estimator.report(Indexed(), torch.randn(4, 16), device="cpu")
+    note = next(n for n in rep.notes if "every one of its" in n)
+    assert "as a capture of 5 did not prove they repeat: the shallow copy failed" in note
+    assert rep.peak_bytes == estimator.report(Stack(), torch.randn(4, 16), device="cpu").peak_bytes
+
+
+def _spec(mode=Mode.TRAIN, **kw) -> StepSpec:
+    return StepSpec(mode, None, lambda out, sample: out.sum(), **kw)
+
+
+def test_plan():
+    assert repeated_blocks.plan(Stack(8), _spec()) == Plan("blocks", 1, 8)
+    assert repeated_blocks.plan(Stack(UNITS), _spec()) is None  # nothing to gain
+    assert repeated_blocks.plan(Stack(8), _spec(Mode.GENERATE)) is None  # the decode steps' own extension
+    assert repeated_blocks.plan(Stack(8), _spec(step=lambda m, s, state: None)) is None  # it may name the model
+    gemma = _model("gemma2", 12)
+    assert repeated_blocks.plan(gemma, _spec()) == Plan("model.layers", 2, 6)
+    assert repeated_blocks.plan(_model("gemma2", 11), _spec()) is None  # the period does not divide the depth
+    # a per-layer list in the config (read by index in code): a period of its own
+    llama = _model("llama", 12)
+    llama.config.mlp_only_layers = [1, 3, 5, 7, 9, 11]
+    assert repeated_blocks.plan(llama, _spec()) == Plan("model.layers", 2, 6)
+    llama.config.mlp_only_layers = [4]
+    assert repeated_blocks.plan(llama, _spec()) is None
+
+
+def test_shallow_keeps_the_real_blocks_and_leaves_the_model_alone():
+    model = _model("llama", 12)
+    shallow = repeated_blocks.shallow(model, Plan("model.layers", 1, 12))
+    assert [n for n, _ in shallow.model.layers.named_children()] == ["0", "1", "2", "10", "11"]
+    assert list(shallow.model.layers)[3] is model.model.layers[10] and shallow.lm_head is model.lm_head
+    assert len(model.model.layers) == 12
