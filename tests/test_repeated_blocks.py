@@ -5,6 +5,7 @@ the blocks are not proven to repeat captures every block and says why."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -14,8 +15,10 @@ from torch import nn
 import estimator
 from estimator.capture import repeated_blocks
 from estimator.capture.records import StepSpec
+from estimator.capture.steps import Generation
 from estimator.capture.repeated_blocks import UNITS, Plan
 from estimator.vocab.categories import Mode
+import models_zoo
 from models_zoo import gpt
 from validators.cpu import measure_cpu
 
@@ -30,9 +33,13 @@ def _model(family: str, layers: int) -> nn.Module:
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256,
                                                                     bos_token_id=0, eos_token_id=0))
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config}[family]
+              "mixtral": transformers.MixtralConfig, "gemma2": transformers.Gemma2Config,
+              "qwen2_moe": transformers.Qwen2MoeConfig}[family]
     extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-             "gemma2": dict(head_dim=16, sliding_window=8)}.get(family, {})
+             "gemma2": dict(head_dim=16, sliding_window=8),
+             # a dense first layer, then experts (a head of one block)
+             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32, mlp_only_layers=[0])}.get(family, {})
     return transformers.AutoModelForCausalLM.from_config(config(num_hidden_layers=layers, **SMALL, **extra))
 
 
@@ -90,6 +97,7 @@ def _report(rep):
     ("gpt2", 8, "cuda", "train"),
     ("mixtral", 8, "cuda", "train"),
     ("gemma2", 12, "cuda", "train"),  # sliding and global attention alternate: units of 2 blocks
+    ("qwen2_moe", 8, "cuda", "train"),
 ])
 def test_extended_capture_is_the_full_capture(family, layers, device, mode):
     _same(*_both(_model(family, layers), _sample(), device=device, mode=mode))
@@ -121,6 +129,19 @@ def test_matches_a_real_cpu_step():
     assert _extended(rep)
     for b in (2, 5):
         assert rep.at(b) == measure_cpu(model, _sample(b)).peak_bytes
+
+
+@pytest.mark.parametrize("device, attention", [("cuda", "sdpa"), ("cpu", "eager")])
+def test_generate_with_a_dynamic_cache(device, attention):
+    """The decode steps' extension first, then the blocks': the same run as capturing every block
+    (the cache's bytes per token, the calls, the timeline and the CUDA allocator's view)."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=8, **SMALL,
+                                                                   attn_implementation=attention)).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    extended, full = _both(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, mode="generate",
+                           new_tokens=12, device=device)
+    _same(extended, full)
+    assert extended.timeline.decoding == full.timeline.decoding and len(extended.timeline.decoding.layer_bytes) == 8
 
 
 class Block(nn.Module):
@@ -155,6 +176,21 @@ def test_root_sequential_and_a_plain_stack():
     assert "7 blocks from a capture of 5" in next(n for n in extended.notes if "blocks from" in n)
 
 
+def _headed() -> Stack:
+    """Nine blocks, the first of its own (no bias: DeepSeek's dense layers before the MoE ones)."""
+    model = Stack(9)
+    model.blocks[0].fc = nn.Linear(16, 16, bias=False)
+    return model
+
+
+def test_a_head_of_blocks_of_their_own():
+    assert repeated_blocks.plan(_headed(), _spec()) == Plan("blocks", 1, 8, head=1)
+    extended, full = _both(_headed(), torch.randn(4, 16), device="cpu")
+    _same(extended, full)
+    assert "9 blocks from a capture of 6 (1 of their own, then the first 3 and last 2)" in \
+        next(n for n in extended.notes if "blocks from" in n)
+
+
 def test_a_block_that_differs_is_captured_in_full():
     """Block 2's program differs (its settings do not say so): the proof fails, every block is
     captured, and the note names the blocks."""
@@ -185,6 +221,70 @@ def test_a_model_the_shallow_copy_cannot_run_is_captured_in_full():
     assert rep.peak_bytes == estimator.report(Stack(), torch.randn(4, 16), device="cpu").peak_bytes
 
 
+USER = Stack()
+
+
+def _user_step(model, x, state):
+    """A user's step that names the user's model (``USER``, a global) instead of its argument,
+    and keeps an EMA copy of it in its state."""
+    optimizer, ema = state
+    USER(x).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.lerp_(p, 0.01)
+
+
+def _user_state(model):
+    return torch.optim.AdamW(model.parameters()), copy.deepcopy(model)
+
+
+def test_a_users_step_that_names_the_users_model_and_keeps_an_ema_copy():
+    """The global ``USER`` maps to the shallow copy's fake, never to the user's model; the EMA copy's
+    weights are named with the blocks' path, so its built blocks have theirs."""
+    extended, full = _both(USER, torch.randn(4, 16), step=_user_step, optimizer=_user_state, device="cpu")
+    _same(extended, full)
+    assert all(p.grad is None for p in USER.parameters())  # the user's model was not run
+
+
+LOSSES = []
+
+
+def _keeps_a_list(model, x, optimizer):
+    out = model(x)
+    out.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    LOSSES.append(out.detach())  # in a global list, as a training loop logs them: no name places them
+
+
+def test_a_step_that_keeps_unnamed_tensors_is_captured_in_full():
+    """What a step keeps that no name places may follow the blocks: not extended (what its state
+    holds is named, and is extended when the name places it in a block: the EMA copy above)."""
+    rep = estimator.report(Stack(), torch.randn(4, 16), step=_keeps_a_list,
+                           optimizer=lambda model: torch.optim.SGD(model.parameters(), 0.1), device="cpu")
+    assert any("the step keeps tensors no name places" in n for n in rep.notes)
+    assert LOSSES == []  # the user's list was not touched
+
+
+def _flat_buffer_step(model, x, optimizer):
+    """Gradients copied into one flat buffer sized in Python (no list op shows its length)."""
+    model(x).backward()
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    flat.add_(1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_flat_buffer_of_every_parameter_is_captured_in_full():
+    rep = estimator.report(Stack(), torch.randn(4, 16), step=_flat_buffer_step,
+                           optimizer=lambda model: torch.optim.SGD(model.parameters(), 0.1), device="cpu")
+    note = next(n for n in rep.notes if "every one of its" in n)
+    # the shallow copy's 5 blocks x 272 parameters x 4 B
+    assert "a tensor of 5,440 B (made by aten.zeros.default) belongs to no block" in note
+
+
 def _spec(mode=Mode.TRAIN, **kw) -> StepSpec:
     return StepSpec(mode, None, lambda out, sample: out.sum(), **kw)
 
@@ -192,9 +292,13 @@ def _spec(mode=Mode.TRAIN, **kw) -> StepSpec:
 def test_plan():
     assert repeated_blocks.plan(Stack(8), _spec()) == Plan("blocks", 1, 8)
     assert repeated_blocks.plan(Stack(UNITS), _spec()) is None  # nothing to gain
-    assert repeated_blocks.plan(Stack(8), _spec(Mode.GENERATE)) is None  # the decode steps' own extension
-    assert repeated_blocks.plan(Stack(8), _spec(step=lambda m, s, state: None)) is None  # it may name the model
-    gemma = _model("gemma2", 12)
+    # generate(): a cache that makes a tensor per layer when made (static, sliding windows) is refused
+    llama, gemma = _model("llama", 8), _model("gemma2", 12)
+    assert repeated_blocks.plan(llama, _spec(Mode.GENERATE, step=Generation(12))) == Plan("model.layers", 1, 8)
+    assert repeated_blocks.plan(llama, _spec(Mode.GENERATE, step=Generation(12, "static"))) is None
+    assert repeated_blocks.plan(gemma, _spec(Mode.GENERATE, step=Generation(12))) is None
+    assert repeated_blocks.plan(Stack(8), _spec(step=lambda m, s, state: None)) == Plan("blocks", 1, 8)
+    assert repeated_blocks.plan(Stack(8), _spec(compiled=object())) is None  # its regions name no modules
     assert repeated_blocks.plan(gemma, _spec()) == Plan("model.layers", 2, 6)
     assert repeated_blocks.plan(_model("gemma2", 11), _spec()) is None  # the period does not divide the depth
     # a per-layer list in the config (read by index in code): a period of its own
@@ -211,3 +315,31 @@ def test_shallow_keeps_the_real_blocks_and_leaves_the_model_alone():
     assert [n for n, _ in shallow.model.layers.named_children()] == ["0", "1", "2", "10", "11"]
     assert list(shallow.model.layers)[3] is model.model.layers[10] and shallow.lm_head is model.lm_head
     assert len(model.model.layers) == 12
+
+
+ZOO = [("vit", "vit-b16"), ("gpt", "gpt2-small"), ("bert", "base"), ("lora", "small"), ("custom_op", "small"),
+       ("moe", "small"), ("masked_lm", "base"), ("spec_augment", "base"), ("mha_padding", "base"),
+       ("encoder_padding", "base")]  # every zoo size with repeated blocks but Llama-7B and Mixtral-8x7B (above)
+
+
+@pytest.mark.parametrize("name, size", ZOO, ids=[f"{n}-{s}" for n, s in ZOO])
+def test_zoo_models_with_repeated_blocks(name, size):
+    model, make_sample, loss_fn = models_zoo.get(name, size, device="meta")
+    extended, full = _both(model, make_sample(2), loss_fn=loss_fn)
+    _same(extended, full)
+
+
+def test_training_arguments_through_trainers_own_step():
+    """``from_training_args``: Trainer's own step (a user's step fxmem writes) on the shallow copy."""
+    pytest.importorskip("accelerate")
+    from estimator.integrations.training_args import from_training_args
+
+    args = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}
+    plan = repeated_blocks.plan
+    extended = from_training_args(_model("llama", 8), args, _sample(4), device="cpu")
+    repeated_blocks.plan = lambda model, spec: None
+    try:
+        full = from_training_args(_model("llama", 8), args, _sample(4), device="cpu")
+    finally:
+        repeated_blocks.plan = plan
+    _same(extended, full)

@@ -100,8 +100,8 @@ def cache_steady(cache) -> bool | None:
             kind = type(layer).__name__
             if kind not in _STEADY_LAYERS:
                 return None
-            if _STEADY_LAYERS[kind] is None:
-                continue
+            if _STEADY_LAYERS[kind] is None or getattr(layer, "is_initialized", True) is False:
+                continue  # (a layer no call updated: a block the shallow copy of repeated blocks leaves out)
             length, window = getattr(layer, _LENGTHS[kind], None), getattr(layer, _STEADY_LAYERS[kind], None)
             if not isinstance(length, int) or not isinstance(window, int):
                 return None

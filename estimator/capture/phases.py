@@ -122,6 +122,11 @@ def run_marks(tracker: Tracker, model: nn.Module, optimizers: list, watch_model:
     found["marks"] = RunMarks(tuple(starts.get(i) for i in range(len(optimizers))), returns[0] if returns else None)
 
 
+def _bytes_per_token(t: torch.Tensor) -> int:
+    """A cache's keys or values, (batch, heads, tokens, head_dim): bytes per token and sequence."""
+    return t.element_size() * math.prod(hint(n) for n in (*t.shape[1:-2], t.shape[-1]))
+
+
 @contextlib.contextmanager
 def decoding(tracker: Tracker, model: nn.Module, shape_env=None):
     """While ``model.generate`` is recorded: the op each call of the model starts at, and after
@@ -142,15 +147,17 @@ def decoding(tracker: Tracker, model: nn.Module, shape_env=None):
         tensors = [t for t in steps.tensors_in(cache).values() if t.dim() >= 3]
         for t in tensors:
             _relabel(tracker, t, Category.KV_CACHE)
-        # keys/values are (batch, heads, tokens, head_dim): bytes per token and sequence
-        per_token = [t.element_size() * math.prod(hint(n) for n in (*t.shape[1:-2], t.shape[-1])) for t in tensors]
+        per_token = [_bytes_per_token(t) for t in tensors]
+        layers = getattr(cache, "layers", None)
+        per_layer = tuple(sum(_bytes_per_token(t) for t in steps.tensors_in(layer).values() if t.dim() >= 3)
+                          for layer in layers) if isinstance(layers, list) else ()
         tokens = max((hint(t.shape[-2]) for t in tensors), default=0)
         steady = generation.cache_steady(cache)
         settled = last.get("steady_from", 0)
         if settled is not None and not steady:  # None: never steady; False: from the next call at the earliest
             settled = None if steady is None else len(calls)
         last.update(bytes_per_token=sum(per_token), tokens=tokens, grown=tokens - last.get("tokens", tokens),
-                    cache=type(cache).__name__, steady_from=settled)
+                    cache=type(cache).__name__, steady_from=settled, layer_bytes=per_layer)
 
     marks: list[int] = []  # the shape environment's guards as each call starts (s symbolic: each step adds some)
 

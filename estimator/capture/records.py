@@ -70,6 +70,7 @@ class Decoding:
     # the first call from which the cache grows as it will to the end (a sliding window full;
     # ``generation.cache_steady``); None: a cache whose growth fxmem does not know
     steady_from: int | None = 0
+    layer_bytes: tuple[int, ...] = ()  # ``bytes_per_token`` by layer of the cache (``cache.layers``; () for other caches)
 
 
 @dataclass
@@ -96,3 +97,6 @@ class RawCapture:
     # mode="generate", s symbolic: the guards (in b and s) each call of the model added, from its first op to
     # the next call's (``phases.decoding``'s guard marks)
     call_guards: tuple[tuple[Any, ...], ...] = ()
+    # the state before the step, storage -> the name of its tensor (``StepSpec``'s state: parameters, buffers,
+    # held tensors, optimizer state, what a user's step keeps by name)
+    state_names: dict[int, str] = field(default_factory=dict)

@@ -3,15 +3,17 @@
 A transformer's blocks are one program repeated: capturing 80 of them costs 80 times one.  So,
 where a model holds its blocks in one ``nn.ModuleList`` (or ``nn.Sequential``) whose members
 repeat (the same class, parameter and buffer shapes, dtypes and settings; with a period ``p``
-where they alternate, sliding-window and global attention, an MoE every other layer), the
-capture runs a shallow copy of the model that keeps five units of ``p`` blocks: the first three
-and the last two, under their real names (``_modules`` keys: ``layers.0`` to ``layers.2``,
+where they alternate, sliding-window and global attention, an MoE every other layer; after a head
+of blocks of their own, DeepSeek's first dense layers), the capture runs a shallow copy of the
+model that keeps the head and five units of ``p`` blocks: the first three and the last two, under their real names (``_modules`` keys: ``layers.0`` to ``layers.2``,
 ``layers.78``, ``layers.79``), the rest of the model shared as it is.  ``extend`` then builds the
 capture of every block, event by event, and says so in the notes:
 
 - what belongs to a unit: the ops of its modules (and of its parameters, in the optimizer), the
   ops between two of them in the same phase (a functional rotary embedding, a gap between two
-  units is the earlier one's), the storages its parameters own or its ops make;
+  units is the earlier one's), the storages its parameters own, its ops make or the state names
+  with its path (``RawCapture.state_names``: buffers, held tensors, an EMA copy of the model);
+  state no name places (what a user's step keeps) refuses the extension;
 - the proof (each failure a ``NotRepeating`` naming where): the middle three units (positions
   1, 2 and 3: real units 1, 2 and the one before the last) run the same ops (names, phases,
   modules and owners relative to the unit, scratch values, the storages each makes and frees:
@@ -26,11 +28,18 @@ capture of every block, event by event, and says so in the notes:
   op to a neighbour's storage follows its neighbour (the captured unit before the last now
   frees what the last copy made).
 
-Not tried (the full capture): ``generate()`` (the decode steps have their own extension), a
-user's step (its code may name the user's model) and a compiled model; models with fewer than six
-units, depths the period does not divide, or blocks that do not repeat from the first.  The
-result is byte for byte the full capture's (``tests/test_repeated_blocks.py`` compares both
-paths); only the fx graph is the shallow run's (its nodes stand for every unit's).
+``generate()`` too, with a dynamic cache of full-attention layers: it holds one layer per block
+(``cache.layers[layer_idx]``), the layers the shallow run does not reach stay empty, and
+``Decoding.layer_bytes`` (each layer's bytes per token) is completed with the template's; the
+decode steps' own extension has run before.  Static and sliding-window caches make a tensor for
+every layer when they are made (``_per_layer_state``): those capture every block.
+A user's step runs on the shallow copy as the built-in one does; code of it that names the user's
+model (a closure, a global) gets the copy too (``map_originals``), and code that reaches a block the
+copy leaves out fails there: every block is then captured.  Not tried (the full capture): a compiled
+model (its regions carry no module names); models with fewer than six units, or blocks that do not repeat after a head of a quarter of
+them.  The result is byte for byte the full capture's
+(``tests/test_repeated_blocks.py`` compares both paths); only the fx graph is the shallow run's
+(its nodes stand for every unit's).
 """
 
 from __future__ import annotations
@@ -39,15 +48,19 @@ import copy
 import dataclasses
 import itertools
 import re
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, NamedTuple
 
 from torch import nn
 
-from estimator.capture.records import RawCapture, RunMarks, StepSpec
+from estimator.capture import datadep, steps
+from estimator.capture.records import Decoding, RawCapture, RunMarks, StepSpec
 from estimator.capture.tracker import OpEvent, Storage
 from estimator.vocab.bookkeeping import collector_paused
-from estimator.vocab.categories import Birth, Born, Mode
+from estimator.vocab.categories import Birth, Born, Category, Phase
+from estimator.vocab.symbolic import Poly
 
+_JOINS = {"aten.cat.default", "aten.stack.default"}  # outputs of as many bytes as the list they join
 UNITS = 5  # kept units: the first three and the last two; units 1, 2, 3 prove the repetition
 FIRST, TEMPLATE, NEXT = 1, 2, 3  # the proving positions; copies of TEMPLATE go between it and NEXT
 
@@ -59,11 +72,13 @@ class NotRepeating(Exception):
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The blocks of a model: ``path`` (``model.layers``), the period ``period`` of their
-    pattern and the number of ``units`` (of ``period`` blocks) in the real model."""
+    pattern and the number of ``units`` (of ``period`` blocks) in the real model, after ``head``
+    blocks of their own (DeepSeek's first dense layers before the MoE ones)."""
 
     path: str
     period: int
     units: int
+    head: int = 0
 
     @property
     def name(self) -> str:
@@ -71,15 +86,27 @@ class Plan:
 
     @property
     def blocks(self) -> int:
-        return self.period * self.units
+        return self.head + self.period * self.units
+
+    @property
+    def captured(self) -> int:
+        return self.head + self.period * UNITS
 
     def real_unit(self, pos: int) -> int:
         """The real unit of a kept position."""
         return pos if pos < NEXT else self.units - UNITS + pos
 
+    def locate(self, block: int) -> tuple[int, int] | None:
+        """The unit of a block and its place in it (None: a block of the head)."""
+        return None if block < self.head else divmod(block - self.head, self.period)
+
+    def block(self, unit: int, offset: int) -> int:
+        return self.head + unit * self.period + offset
+
     @property
     def kept(self) -> list[int]:
-        return [self.real_unit(pos) * self.period + o for pos in range(UNITS) for o in range(self.period)]
+        return [*range(self.head),
+                *(self.block(self.real_unit(pos), o) for pos in range(UNITS) for o in range(self.period))]
 
     @property
     def copies(self) -> range:
@@ -89,7 +116,9 @@ class Plan:
 
 def plan(model: nn.Module, spec: StepSpec) -> Plan | None:
     """The repeated blocks of ``model`` worth capturing once, or None (see the module)."""
-    if spec.mode is Mode.GENERATE or spec.step is not None or spec.compiled is not None:
+    if spec.compiled is not None:
+        return None
+    if isinstance(spec.step, steps.Generation) and _per_layer_state(spec.step, getattr(model, "config", None)):
         return None
     best = None
     for path, module in model.named_modules():
@@ -98,13 +127,34 @@ def plan(model: nn.Module, spec: StepSpec) -> Plan | None:
         if list(module._modules) != [str(i) for i in range(len(module))]:
             continue
         per_layer = _per_layer(getattr(model, "config", None), len(module))
-        period = _period([(_signature(block), per_layer(i)) for i, block in enumerate(module)])
-        if period is None or len(module) % period or len(module) // period <= UNITS:
-            continue
+        found = _pattern([(_signature(block), per_layer(i)) for i, block in enumerate(module)])
         size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, Plan(path, period, len(module) // period))
+        if found is not None and (best is None or size > best[0]):
+            best = (size, Plan(path, *found))
     return None if best is None else best[1]
+
+
+def _pattern(signatures: list) -> tuple[int, int, int] | None:
+    """(period, units, head): the fewest head blocks after which the blocks repeat with the
+    shortest period, over more than ``UNITS`` units; None where they do not."""
+    for head in range(len(signatures) // 4 + 1):
+        rest = signatures[head:]
+        period = _period(rest)
+        if period is not None and len(rest) % period == 0 and len(rest) // period > UNITS:
+            return period, len(rest) // period, head
+    return None
+
+
+def _per_layer_state(generation: steps.Generation, config: Any) -> bool:
+    """Whether ``generate()``'s cache makes tensors for every layer when it is made (a static
+    layer's ``cumulative_length``, a sliding one's window size): the shallow run has them for every
+    block, the blocks it leaves out included, interleaved with the reached ones' where they are
+    freed, which the extension cannot place (it would fail after the shallow capture)."""
+    if generation.cache_implementation not in (None, "dynamic"):
+        return True
+    types = getattr(config, "layer_types", None) or ()
+    return any("sliding" in str(t) or "chunk" in str(t) for t in types) or \
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
 def _per_layer(config: Any, layers: int) -> Callable[[int], tuple]:
@@ -145,12 +195,18 @@ def _signature(block: nn.Module) -> tuple:
     return tuple(parts), tensors
 
 
+# a shallow copy -> (copy, original) for each module it copies on the path to the blocks
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def shallow(model: nn.Module, plan_: Plan) -> nn.Module:
     """A copy of ``model`` whose block list keeps ``plan_.kept`` under their real keys; every
     other module, parameter and setting shared with ``model`` (nothing of it is changed)."""
+    twins = []
 
     def cut(module: nn.Module, parts: list[str]) -> nn.Module:
         twin = copy.copy(module)
+        twins.append((twin, module))
         if parts:
             twin._modules = dict(module._modules)
             twin._modules[parts[0]] = cut(module._modules[parts[0]], parts[1:])
@@ -158,7 +214,18 @@ def shallow(model: nn.Module, plan_: Plan) -> nn.Module:
             twin._modules = {str(i): module._modules[str(i)] for i in plan_.kept}
         return twin
 
-    return cut(model, plan_.path.split(".") if plan_.path else [])
+    root = cut(model, plan_.path.split(".") if plan_.path else [])
+    _TWINS[root] = twins
+    return root
+
+
+def map_originals(model: nn.Module, memo: dict[int, Any]) -> None:
+    """After ``model`` was copied with ``memo`` (``copy.deepcopy``, ``fake.fake_model``): where it is a
+    shallow copy, the user's modules it stands for map to the copies too, so that a step whose
+    code names the user's model (a closure, a global) gets the copy, never the user's model."""
+    for twin, original in _TWINS.get(model, ()):
+        if id(twin) in memo:
+            memo[id(original)] = memo[id(twin)]
 
 
 def extend(raw: RawCapture, plan_: Plan) -> RawCapture:
@@ -177,18 +244,33 @@ class _Ref:
     key: int
 
 
+class _Run(NamedTuple):
+    """A run of the template's items (``start:end``) between its neighbours' runs (``first``,
+    ``nxt``: (label, start, end)); the copies go at ``at``, in ascending or descending order."""
+
+    start: int
+    end: int
+    at: int
+    ascending: bool
+    first: tuple
+    nxt: tuple
+
+
 class _Extension:
     def __init__(self, raw: RawCapture, plan_: Plan):
         self.raw, self.plan = raw, plan_
         self.prefix = f"{plan_.path}." if plan_.path else ""
-        self.pattern = re.compile(rf"^{re.escape(self.prefix)}(\d+)(?=\.|$)")
+        self.pattern = re.compile(rf"(?:^|(?<=\.)){re.escape(self.prefix)}(\d+)(?=\.|$)")
         self.pos_of_unit = {plan_.real_unit(pos): pos for pos in range(UNITS)}
         ops = raw.ops
         self.op_pos = self._op_positions()
         self.store_pos: dict[int, int | None] = {}
         for sid, s in raw.storages.items():
-            pos = self._pos(s.owner)
+            pos = self._pos(s.owner) if s.owner else self._pos(raw.state_names.get(sid), self._kept_state(s))
             self.store_pos[sid] = pos if pos is not None or s.op < 0 else self.op_pos[s.op]
+            if s.op < 0 and pos is None and s.category is not Category.INPUT and sid not in raw.state_names:
+                raise NotRepeating("the step keeps tensors no name places (a list it appends to, a cache): "
+                                   "whether they follow the blocks is not known")
         self.keys: dict[int, int] = {}  # storage -> its index among its unit's storages
         self.by_key: dict[tuple[int, int], int] = {}  # (position, key) -> storage
         counters = [itertools.count() for _ in range(UNITS)]
@@ -202,25 +284,42 @@ class _Extension:
         self.wide = {i for i, op in enumerate(ops) if self.op_pos[i] is not None and any(
             self.store_pos.get(s) is not None and abs(self.store_pos[s] - self.op_pos[i]) > 1 for s in op.frees)}
 
+    @staticmethod
+    def _kept_state(s: Storage) -> bool:
+        """State a user's step keeps (no parameter owns it): named by where it is in the step's state."""
+        return s.category is Category.OPTIMIZER_STATE and s.owner is None
+
+    def _spanning(self, i: int) -> bool:
+        """Whether op ``i``, of no unit, joins a list over the middle units into other outputs than
+        one per item (``OpEvent.reads``: the per-parameter norms ``clip_grad_norm_`` stacks; a foreach
+        op's outputs, one per item, are their items' units')."""
+        op = self.raw.ops[i]
+        return self.op_pos[i] is None and len(op.allocs) != len(op.reads) and \
+            any(self.store_pos.get(s) in (FIRST, TEMPLATE, NEXT) for s in op.reads)
+
     def _freeing(self, i: int) -> int | None:
         """The position op ``i`` frees from (None: a list)."""
         return None if i in self.wide else self.op_pos[i]
 
     # -- where things belong ------------------------------------------------------------------
 
-    def _block(self, name: str | None) -> int | None:
-        match = self.pattern.match(name) if name else None
-        return None if match is None else int(match.group(1))
+    def _find(self, name: str | None, anywhere: bool = False) -> tuple[re.Match, int, int] | None:
+        """Where ``name`` (a path from the model, or ``anywhere``: a name in a user's step state,
+        ``ema.model.layers.3.weight``) names a block of the units, with the block's unit and place;
+        None: no unit's."""
+        match = (self.pattern.search if anywhere else self.pattern.match)(name) if name else None
+        found = None if match is None else self.plan.locate(int(match.group(1)))
+        return None if found is None else (match, *found)
 
-    def _pos(self, name: str | None) -> int | None:
-        block = self._block(name)
-        return None if block is None else self.pos_of_unit[block // self.plan.period]
+    def _pos(self, name: str | None, anywhere: bool = False) -> int | None:
+        found = self._find(name, anywhere)
+        return None if found is None else self.pos_of_unit[found[1]]
 
     def _op_positions(self) -> list[int | None]:
         """Each op's position: its module's or (optimizer) its parameter's unit; an op between two
         ops of the same unit, or of consecutive ones, in the same phase belongs to the earlier."""
         ops = self.raw.ops
-        own = [self._pos(op.module) if self._pos(op.module) is not None else self._pos(op.owner) for op in ops]
+        own = [self._pos(op.module if self._find(op.module) is not None else op.owner) for op in ops]
         found = list(own)
         previous: tuple[int, int] | None = None  # (op, position) of the last op with a position
         for i, pos in enumerate(own):
@@ -235,20 +334,20 @@ class _Extension:
 
     def _rel(self, name: str | None, pos: int) -> Any:
         """``name`` seen from position ``pos``: its block as (units away, place in the unit)."""
-        block = self._block(name)
-        if block is None:
+        found = self._find(name)
+        if found is None:
             return name
-        unit, offset = divmod(block, self.plan.period)
-        return self.pos_of_unit[unit] - pos, offset, name[self.pattern.match(name).end():]
+        match, unit, offset = found
+        return name[:match.start(1)], self.pos_of_unit[unit] - pos, offset, name[match.end():]
 
-    def _renamed(self, name: str | None, pos: int, real: int) -> str | None:
+    def _renamed(self, name: str | None, pos: int, real: int, anywhere: bool = False) -> str | None:
         """``name`` of position ``pos`` as the real unit ``real`` names it (a neighbour's follows)."""
-        block = self._block(name)
-        if block is None:
+        found = self._find(name, anywhere)
+        if found is None:
             return name
-        unit, offset = divmod(block, self.plan.period)
+        match, unit, offset = found
         target = real + self.pos_of_unit[unit] - pos
-        return f"{self.prefix}{target * self.plan.period + offset}{name[self.pattern.match(name).end():]}"
+        return f"{name[:match.start(1)]}{self.plan.block(target, offset)}{name[match.end():]}"
 
     def _ref(self, sid: int, pos: int | None) -> _Ref:
         spos = self.store_pos.get(sid)
@@ -260,7 +359,7 @@ class _Extension:
         return _Ref(spos - pos, self.keys[sid])
 
     def _unit_name(self, pos: int) -> str:
-        first = self.plan.real_unit(pos) * self.plan.period
+        first = self.plan.block(self.plan.real_unit(pos), 0)
         return f"{self.prefix}{first}" if self.plan.period == 1 else f"{self.prefix}{first}-{first + self.plan.period - 1}"
 
     def _storage_sig(self, sid: int, pos: int) -> tuple:
@@ -290,9 +389,8 @@ class _Extension:
             runs.append((label, group[0][0], group[-1][0] + 1))
         return runs
 
-    def _templates(self, labels: list[int | None], what: str) -> list[tuple[int, int, int, bool]]:
-        """Where the template's runs are: (start, end, where its copies go, ascending), each
-        beside a run of the unit before and the unit after it."""
+    def _templates(self, labels: list[int | None], what: str) -> list[_Run]:
+        """Where the template's runs are, each beside a run of the unit before and the unit after it."""
         runs = self._runs(labels)
         found = []
         for i, (label, start, end) in enumerate(runs):
@@ -301,31 +399,37 @@ class _Extension:
             before = runs[i - 1] if i else (None, 0, 0)
             after = runs[i + 1] if i + 1 < len(runs) else (None, 0, 0)
             if before[0] == FIRST and after[0] == NEXT:
-                found.append((start, end, end, True, before, after))
+                found.append(_Run(start, end, end, True, before, after))
             elif before[0] == NEXT and after[0] == FIRST:
-                found.append((start, end, start, False, after, before))
+                found.append(_Run(start, end, start, False, after, before))
             else:
                 raise NotRepeating(f"{what}: {self._unit_name(TEMPLATE)} does not sit between "
                                    f"{self._unit_name(FIRST)} and {self._unit_name(NEXT)}")
-        return [(start, end, at, ascending, first, nxt) for start, end, at, ascending, first, nxt in found]
+        return found
 
     # -- the proof and the extension ------------------------------------------------------------
 
     def run(self) -> RawCapture:
+        if self.raw.managed:
+            raise NotRepeating("its paged optimizer state (CUDA managed memory) is counted as one total, not per block")
         self._check_storages()
         ops = self.raw.ops
         op_templates = self._templates(self.op_pos, "the step's ops")
         if not op_templates:
             raise NotRepeating(f"no op ran in {self._unit_name(TEMPLATE)}")
-        for start, end, _, _, first, nxt in op_templates:
+        for run in op_templates:
             sigs = [[self._op_sig(op, pos) for op in ops[a:b]] for pos, (_, a, b) in
-                    ((FIRST, first), (TEMPLATE, (TEMPLATE, start, end)), (NEXT, nxt))]
+                    ((FIRST, run.first), (TEMPLATE, (TEMPLATE, run.start, run.end)), (NEXT, run.nxt))]
             if not sigs[0] == sigs[1] == sigs[2]:
                 offset = next((o for o, (x, y, z) in enumerate(zip(*sigs)) if not x == y == z), min(map(len, sigs)))
-                where = ops[start + min(offset, end - start - 1)]
+                where = ops[run.start + min(offset, run.end - run.start - 1)]
                 raise NotRepeating(f"{self._unit_name(FIRST)} to {self._unit_name(NEXT)} run different ops (first at "
                                    f"op {offset} of {self._unit_name(TEMPLATE)}: {where.name} in {where.module or '-'})")
         for i, op in enumerate(ops):
+            if self._spanning(i) and any(self.store_pos.get(s) is None for s in op.allocs):
+                if op.name not in _JOINS or len(op.allocs) != 1 or self.raw.decoding is not None:
+                    raise NotRepeating(f"{op.name} makes a tensor from a list over the blocks (its size may follow "
+                                       "their number)")
             for sid in op.allocs:
                 self._ref(sid, self.op_pos[i])  # nothing two units away
             pos = self._freeing(i)
@@ -357,6 +461,24 @@ class _Extension:
         made = [sid for op in self.raw.ops for sid in op.allocs]
         if made != [sid for sid, s in self.raw.storages.items() if s.op >= 0]:
             raise NotRepeating("the capture's storages are not in the order its ops made them")
+        self._check_unplaced()
+
+    def _check_unplaced(self) -> None:
+        """State, or a tensor the optimizer phase makes, that no parameter owns, no name places and
+        no unit made, as large as a block's parameters: it may hold every block's (a flat buffer of
+        all the parameters sized in Python, which no list op shows), and would not grow with them."""
+        storages = self.raw.storages
+        block = sum((s.nbytes for sid, s in storages.items()
+                     if s.category is Category.PARAMETER and self.store_pos[sid] == TEMPLATE), Poly())
+        for sid, s in storages.items():
+            if self.store_pos[sid] is not None or s.owner is not None or sid in self.raw.state_names \
+                    or s.category is Category.INPUT or (s.op >= 0 and self.raw.ops[s.op].phase is not Phase.OPTIMIZER):
+                continue
+            if len(s.nbytes.coeffs) <= 1 and not s.nbytes.mixed and block.coeffs and s.nbytes.coeffs \
+                    and s.nbytes.coeffs[0] >= block.coeffs[0]:
+                made = f"made by {self.raw.ops[s.op].name}" if s.op >= 0 else "state before the step"
+                raise NotRepeating(f"a tensor of {s.nbytes.coeffs[0]:,} B ({made}) belongs to no block and is as "
+                                   "large as a block's parameters: it may hold every block's")
 
     def _built(self, op_templates) -> RawCapture:
         raw, plan_, storages = self.raw, self.plan, self.raw.storages
@@ -375,10 +497,14 @@ class _Extension:
                 copied[unit, ref.key] = next(keys)
             return copied[unit, ref.key]
 
+        names = dict(raw.state_names)
+
         def storage_copy(sid: int, real: int, op: int) -> int:
             new = resolve(_Ref(0, self.keys[sid]), real)
             s = storages[sid]
             made[new] = Storage(s.nbytes, s.category, op, s.extra, self._renamed(s.owner, TEMPLATE, real), s.born)
+            if sid in raw.state_names:
+                names[new] = self._renamed(raw.state_names[sid], TEMPLATE, real, self._kept_state(s))
             return new
 
         def listed(items: list, label: Callable, copy_of: Callable, what: str) -> list:
@@ -387,17 +513,16 @@ class _Extension:
             if not templates:
                 return list(items)
             out, last = [], 0
-            for start, end, at, ascending, first, nxt in templates:
-                run = items[start:end]
-                if [self._item_sig(x, FIRST) for x in items[first[1]:first[2]]] != \
-                        [self._item_sig(x, TEMPLATE) for x in run] or \
-                        [self._item_sig(x, NEXT) for x in items[nxt[1]:nxt[2]]] != \
-                        [self._item_sig(x, TEMPLATE) for x in run]:
+            for t in templates:
+                run = items[t.start:t.end]
+                sig = [self._item_sig(x, TEMPLATE) for x in run]
+                if [self._item_sig(x, FIRST) for x in items[t.first[1]:t.first[2]]] != sig or \
+                        [self._item_sig(x, NEXT) for x in items[t.nxt[1]:t.nxt[2]]] != sig:
                     raise NotRepeating(f"{what}: {self._unit_name(FIRST)} to {self._unit_name(NEXT)} differ")
-                out += items[last:at]
-                units = plan_.copies if ascending else reversed(plan_.copies)
+                out += items[last:t.at]
+                units = plan_.copies if t.ascending else reversed(plan_.copies)
                 out += [copy_of(x, real) for real in units for x in run]
-                last = at
+                last = t.at
             return out + items[last:]
 
         label_sid = self.store_pos.get
@@ -413,7 +538,7 @@ class _Extension:
         ops = raw.ops
         out_ops: list[OpEvent] = []
         index: dict[int, int] = {}  # captured op -> its index now
-        starts = {at: (start, end, ascending) for start, end, at, ascending, _, _ in op_templates}
+        starts = {t.at: t for t in op_templates}
 
         def freed_list(op: OpEvent) -> list[int]:
             return listed(op.frees, label_sid, lambda sid, r: resolve(_Ref(0, self.keys[sid]), r),
@@ -424,9 +549,14 @@ class _Extension:
             if pos is None:  # lists of storages of many units
                 allocs = listed(op.allocs, label_sid, lambda sid, r: storage_copy(sid, r, at), f"{op.name}'s outputs")
                 frees = freed_list(op)
+                reads = listed(list(op.reads), label_sid, lambda sid, r: resolve(_Ref(0, self.keys[sid]), r),
+                               f"the list {op.name} reads")
                 for sid in allocs:
                     new_storages[sid] = made[sid] if sid in made else dataclasses.replace(storages[sid], op=at)
-                out_ops.append(dataclasses.replace(op, allocs=allocs, frees=frees))
+                if len(reads) != len(op.reads) and op.name in _JOINS:  # a cat or stack over the units
+                    (out,) = allocs
+                    new_storages[out] = self._joined(new_storages[out], op, reads, new_storages)
+                out_ops.append(dataclasses.replace(op, allocs=allocs, frees=frees, reads=tuple(reads)))
                 return
             allocs = []
             for sid in op.allocs:
@@ -452,10 +582,7 @@ class _Extension:
         if len(ops) in starts:
             self._emit_copies(ops, starts[len(ops)], emit)
 
-        def name_label(name: str) -> int | None:
-            return self._pos(name)
-
-        grad_order = tuple(listed(list(raw.grad_order), name_label, lambda n, r: self._renamed(n, TEMPLATE, r),
+        grad_order = tuple(listed(list(raw.grad_order), self._pos, lambda n, r: self._renamed(n, TEMPLATE, r),
                                   "the gradient order"))
         sites = tuple(listed(list(raw.data_dependent), lambda s: self._pos(s.site),
                              lambda s, r: dataclasses.replace(s, site=self._renamed(s.site, TEMPLATE, r)),
@@ -463,20 +590,49 @@ class _Extension:
         freed_first = tuple(listed(list(raw.freed_first), label_sid,
                                    lambda sid, r: resolve(_Ref(0, self.keys[sid]), r), "the state freed first"))
         index[len(ops)] = len(out_ops)  # a mark after the last op
+        decoding = raw.decoding if raw.decoding is None else self._decoding(index)
         marks = RunMarks(tuple(None if i is None else index[i] for i in raw.marks.optimizer_starts),
                          None if raw.marks.model_returns is None else index[raw.marks.model_returns])
-        note = (f"{plan_.name}: {plan_.blocks} blocks from a capture of {UNITS * plan_.period} (the first "
-                f"{TEMPLATE + 1} and last {UNITS - TEMPLATE - 1}{' units of ' + str(plan_.period) if plan_.period > 1 else ''}"
-                f"): {self._unit_name(FIRST)}, {self._unit_name(TEMPLATE)} and {self._unit_name(NEXT)} ran the same "
+        units = f" units of {plan_.period}" if plan_.period > 1 else ""
+        head = f"{plan_.head} of their own, then " if plan_.head else ""
+        note = (f"{plan_.name}: {plan_.blocks} blocks from a capture of {plan_.captured} ({head}the first "
+                f"{TEMPLATE + 1} and last {UNITS - TEMPLATE - 1}{units}): {self._unit_name(FIRST)}, {self._unit_name(TEMPLATE)} and {self._unit_name(NEXT)} ran the same "
                 f"ops on the same tensors, so the {len(plan_.copies) * plan_.period} between are built from them "
                 "(exact: estimator/capture/repeated_blocks.py); report.graph is the shallow run's")
         measured = sum(op.kernel is not None for op in ops)
         if measured:
             note += (f"; the kernel calls measured on this host that the notes count are the captured blocks' "
                      f"({measured} of {sum(op.kernel is not None for op in out_ops)}: a built block's are its template's)")
-        return dataclasses.replace(raw, ops=out_ops, storages=new_storages, grad_order=grad_order,
-                                   data_dependent=sites, freed_first=freed_first, marks=marks,
-                                   notes=(*raw.notes, note))
+        # the data-dependent sizes' notes name every site: those of the built blocks too
+        said = set(datadep.notes(raw.data_dependent))
+        at = next((i for i, n in enumerate(raw.notes) if n in said), len(raw.notes))
+        kept = [n for n in raw.notes if n not in said]
+        notes = (*kept[:at], *datadep.notes(sites), *kept[at:], note)
+        return dataclasses.replace(raw, ops=out_ops, storages=new_storages, grad_order=grad_order, notes=notes,
+                                   data_dependent=sites, freed_first=freed_first, marks=marks, decoding=decoding,
+                                   state_names=names)
+
+    def _joined(self, out: Storage, op: OpEvent, reads: list[int], storages: dict[int, Storage]) -> Storage:
+        """The output of ``torch.cat`` / ``torch.stack`` over a list with the built units' items: as
+        many bytes as the items (checked on the captured list)."""
+        size = self.raw.storages
+        if None in op.reads or out.nbytes != sum((size[s].nbytes for s in op.reads[1:]), size[op.reads[0]].nbytes):
+            raise NotRepeating(f"{op.name} over the blocks: its output is not the bytes of its list")
+        return dataclasses.replace(out, nbytes=sum((storages.get(s, size.get(s)).nbytes for s in reads[1:]),
+                                                   storages.get(reads[0], size.get(reads[0])).nbytes))
+
+    def _decoding(self, index: dict[int, int]) -> Decoding:
+        """``generate()``: the calls where their first ops now are, and the cache's bytes per token
+        with the built blocks' layers (each the template's layer at its place in the unit)."""
+        decoding, plan_ = self.raw.decoding, self.plan
+        per_layer = decoding.layer_bytes
+        if len(per_layer) != plan_.blocks:
+            raise NotRepeating(f"its {decoding.cache or 'cache'} does not hold one layer per block")
+        template = plan_.real_unit(TEMPLATE)
+        full = [per_layer[i] if (found := plan_.locate(i)) is None or found[0] in self.pos_of_unit
+                else per_layer[plan_.block(template, found[1])] for i in range(plan_.blocks)]
+        return dataclasses.replace(decoding, calls=tuple(index[i] for i in decoding.calls),
+                                   bytes_per_token=sum(full), layer_bytes=tuple(full))
 
     def _load_order(self, new_storages: dict[int, Storage], listed, resolve) -> None:
         """The parameters' and buffers' places in ``Module._apply``'s walk (``Born.order``), the
@@ -492,11 +648,9 @@ class _Extension:
                 shift, order = shift + 1, order + 1
             new_storages[sid] = dataclasses.replace(new_storages[sid], born=Born(Birth.LOAD, order))
 
-    def _emit_copies(self, ops, template, emit) -> None:
-        start, end, ascending = template
-        units = self.plan.copies if ascending else reversed(self.plan.copies)
-        for real in units:
-            for op in ops[start:end]:
+    def _emit_copies(self, ops, run: _Run, emit) -> None:
+        for real in self.plan.copies if run.ascending else reversed(self.plan.copies):
+            for op in ops[run.start:run.end]:
                 emit(op, TEMPLATE, real, True)
 
     def _item_sig(self, item, pos: int) -> Any:

@@ -62,7 +62,7 @@ from estimator.corrections.cpu import matmul as cpu_matmul
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.corrections.mode import Substitutions
 from estimator.vocab import progress
-from estimator.vocab.categories import Born, Mode, Phase
+from estimator.vocab.categories import Born, Category, Mode, Phase
 from estimator.vocab.data_dependent import Policy
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import B, Poly
@@ -99,7 +99,7 @@ def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, sy
         reason = exc if isinstance(exc, repeated_blocks.NotRepeating) else f"the shallow copy failed: {exc}"
     raw = _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
     raw.notes += (f"{blocks.name}: every one of its {blocks.blocks} blocks was captured, as a capture of "
-                  f"{repeated_blocks.UNITS * blocks.period} did not prove they repeat: {reason}",)
+                  f"{blocks.captured} did not prove they repeat: {reason}",)
     return raw
 
 
@@ -220,6 +220,7 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
     else:
         memo: dict[int, Any] = {}
         target = copy.deepcopy(model, memo)
+        repeated_blocks.map_originals(model, memo)
         fn = isolated(spec.step, memo)
         state = steps.user_state(target, spec.mode, spec.optimizer)
 
@@ -263,6 +264,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     memo: dict[int, Any] = {}  # the user's objects -> their fake copies
     fmodel = fake_model(model, mode, memo)
+    repeated_blocks.map_originals(model, memo)  # a shallow copy's: the user's modules it stands for
     corrections.apply_model_rules(spec.target, fmodel)
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
@@ -300,6 +302,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
         phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers) | set(managed))
         phases.mark_births(tracker, fmodel, warm.state, warm.lazy)
+        state_names = {key: name for category, tensors in warm.state.items() if category is not Category.INPUT
+                       for name, t in tensors.items() if (key := tracker.key_of(t)) is not None}
         warm.state, warm.kept = {}, []  # the step alone decides what stays alive (zero_grad() frees the gradients)
         phases.name_owners(tracker, fmodel, optimizers)
         before = phases.model_state(fmodel)
@@ -353,11 +357,12 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
-                          managed=sum(managed.values()))
+                          managed=sum(managed.values()), state_names=state_names)
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
                                   decoded.get("guard_marks", ()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
+    raw.state_names = state_names
     return raw
 
 

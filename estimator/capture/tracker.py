@@ -57,6 +57,9 @@ class OpEvent:
     scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
     kernel: KernelCall | None = None  # a call measured on the host (CPU target), priced after the capture
     owner: str | None = None  # optimizer phase: the one parameter whose tensors this op reads or writes
+    # the storages of its tensor-list arguments (cat, stack, foreach ops): a list over the parameters or
+    # the blocks, whose length an output's size may follow (``repeated_blocks``); None: not tracked
+    reads: tuple[int | None, ...] = ()
 
 
 def _storage_id(storage: torch.UntypedStorage) -> int:
@@ -331,6 +334,9 @@ class Tracker(TorchDispatchMode):
             ], grad=fix.measure_with_grad)
         if self.phase is Phase.OPTIMIZER:
             event.owner = self._own_outputs(args, outputs, event.allocs)
+        for a in args:
+            if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                event.reads += tuple(self.key_of(t) for t in a)
         return out
 
     def _owner(self, t) -> str | None:
