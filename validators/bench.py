@@ -298,6 +298,18 @@ def generate_case() -> dict:
                        for n, (t, r) in found.items()}, "every_step_s": full_s, "llama3_8b": _llama3_8b()}
 
 
+def _meta_llama(hidden: int, intermediate: int, layers: int, heads: int) -> torch.nn.Module:
+    """A Llama-3 config (8 key-value heads, 128,256 tokens, 8,192 positions) on the meta device, bf16."""
+    from estimator.integrations._common import import_optional
+
+    transformers = import_optional("transformers", "the benchmark")
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=8192)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
 LLAMA3_TOKENS = (16, 512)
 
 
@@ -306,15 +318,9 @@ def _llama3_8b() -> dict:
     CUDA target) at ``LLAMA3_TOKENS`` new tokens: one run each (the data-dependent values from a
     narrow stand-in's real run)."""
     import estimator
-    from estimator.integrations._common import import_optional
 
-    transformers = import_optional("transformers", "the generate benchmark")
-    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      max_position_embeddings=8192)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (8, 512), generator=torch.Generator().manual_seed(0))
+    model = _meta_llama(hidden=4096, intermediate=14336, layers=32, heads=32)
+    ids = torch.randint(0, model.config.vocab_size, (8, 512), generator=torch.Generator().manual_seed(0))
     found = {}
     for n in LLAMA3_TOKENS:
         t = time.perf_counter()
@@ -392,15 +398,9 @@ def _llama_70b() -> dict:
     """The train ``report`` of Llama-3-70B's config on the meta device (bf16, AdamW, one sequence
     of 4,096 tokens, the CUDA target): one run."""
     import estimator
-    from estimator.integrations._common import import_optional
 
-    transformers = import_optional("transformers", "the depth benchmark")
-    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                                      max_position_embeddings=8192)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (1, 4096), generator=torch.Generator().manual_seed(0))
+    model = _meta_llama(hidden=8192, intermediate=28672, layers=80, heads=64)
+    ids = torch.randint(0, model.config.vocab_size, (1, 4096), generator=torch.Generator().manual_seed(0))
     t = time.perf_counter()
     rep = estimator.report(model, {"input_ids": ids, "labels": ids})
     return {"report_s": time.perf_counter() - t, "ops": len(rep.timeline.ops), "peak": rep.peak_bytes}

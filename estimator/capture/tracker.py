@@ -57,8 +57,8 @@ class OpEvent:
     scratch: tuple[Any, ...] = ()  # kernel-internal bytes alive only during this op (corrections)
     kernel: KernelCall | None = None  # a call measured on the host (CPU target), priced after the capture
     owner: str | None = None  # optimizer phase: the one parameter whose tensors this op reads or writes
-    # the storages of its tensor-list arguments (cat, stack, foreach ops): a list over the parameters or
-    # the blocks, whose length an output's size may follow (``repeated_blocks``); None: not tracked
+    # the storages of its tensor-list arguments (cat, stack, foreach ops; None for a tensor not tracked): a
+    # list over the parameters or the blocks, whose length an output's size may follow (``repeated_blocks``)
     reads: tuple[int | None, ...] = ()
 
 
