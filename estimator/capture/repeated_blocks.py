@@ -599,10 +599,11 @@ class _Extension:
                 f"{TEMPLATE + 1} and last {UNITS - TEMPLATE - 1}{units}): {self._unit_name(FIRST)}, {self._unit_name(TEMPLATE)} and {self._unit_name(NEXT)} ran the same "
                 f"ops on the same tensors, so the {len(plan_.copies) * plan_.period} between are built from them "
                 "(exact: estimator/capture/repeated_blocks.py); report.graph is the shallow run's")
-        measured = sum(op.kernel is not None for op in ops)
-        if measured:
-            note += (f"; the kernel calls measured on this host that the notes count are the captured blocks' "
-                     f"({measured} of {sum(op.kernel is not None for op in out_ops)}: a built block's are its template's)")
+        captured, calls = sum(op.kernel is not None for op in ops), sum(op.kernel is not None for op in out_ops)
+        if captured:
+            note += (f"; the notes on kernel calls measured on this host count the captured blocks' {captured}: the "
+                     f"step makes {calls}, the built blocks' {calls - captured} each measured (or not) as its "
+                     "template's")
         # the data-dependent sizes' notes name every site: those of the built blocks too
         said = set(datadep.notes(raw.data_dependent))
         at = next((i for i, n in enumerate(raw.notes) if n in said), len(raw.notes))
