@@ -5,6 +5,7 @@ the blocks are not proven to repeat captures every block and says why."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -48,16 +49,22 @@ def _sample(b: int = 2, s: int = 16) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _both(model, sample, **kwargs):
-    """The report as fxmem makes it, and with every block captured."""
-    extended = estimator.report(model, sample, **kwargs)
+@contextlib.contextmanager
+def every_block():
+    """Reports in the block capture every block (the path before the extension)."""
     plan = repeated_blocks.plan
     repeated_blocks.plan = lambda model, spec: None
     try:
-        full = estimator.report(model, sample, **kwargs)
+        yield
     finally:
         repeated_blocks.plan = plan
-    return extended, full
+
+
+def _both(model, sample, **kwargs):
+    """The report as fxmem makes it, and with every block captured."""
+    extended = estimator.report(model, sample, **kwargs)
+    with every_block():
+        return extended, estimator.report(model, sample, **kwargs)
 
 
 def _events(rep) -> tuple:
@@ -198,12 +205,8 @@ def test_a_block_that_differs_is_captured_in_full():
     note = next(n for n in rep.notes if "every one of its" in n)
     assert "blocks: every one of its 8 blocks was captured, as a capture of 5 did not prove they repeat" in note
     assert "blocks.1 to blocks.6 do not hold the same tensors, or do not free them alike: first at tensor" in note
-    plan = repeated_blocks.plan
-    repeated_blocks.plan = lambda model, spec: None
-    try:
+    with every_block():
         full = estimator.report(Stack(odd_one=2), torch.randn(4, 16), device="cpu")
-    finally:
-        repeated_blocks.plan = plan
     assert _events(rep) == _events(full)
 
 
@@ -335,11 +338,7 @@ def test_training_arguments_through_trainers_own_step():
     from estimator.integrations.training_args import from_training_args
 
     args = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}
-    plan = repeated_blocks.plan
     extended = from_training_args(_model("llama", 8), args, _sample(4), device="cpu")
-    repeated_blocks.plan = lambda model, spec: None
-    try:
+    with every_block():
         full = from_training_args(_model("llama", 8), args, _sample(4), device="cpu")
-    finally:
-        repeated_blocks.plan = plan
     _same(extended, full)

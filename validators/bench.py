@@ -538,16 +538,13 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", action="store_true", help="run the depth case only and write its section of "
                         "--out")
     args = parser.parse_args(argv)
-    if args.generate:
-        found = generate_case()
-        print(json.dumps(found), flush=True)
-        write_section(args.out, generate_markdown(found), GENERATE_MARKS)
-        return 0
-    if args.depth:
-        found = depth_case()
-        print(json.dumps(found), flush=True)
-        write_section(args.out, depth_markdown(found), DEPTH_MARKS)
-        return 0
+    for wanted, case, markdown, marks in ((args.generate, generate_case, generate_markdown, GENERATE_MARKS),
+                                          (args.depth, depth_case, depth_markdown, DEPTH_MARKS)):
+        if wanted:  # one section of --out
+            found = case()
+            print(json.dumps(found), flush=True)
+            write_section(args.out, markdown(found), marks)
+            return 0
     if args.speed:
         print(json.dumps(speed_case(args.speed)), flush=True)
         return 0

@@ -319,7 +319,7 @@ class _Extension:
         """Each op's position: its module's or (optimizer) its parameter's unit; an op between two
         ops of the same unit, or of consecutive ones, in the same phase belongs to the earlier."""
         ops = self.raw.ops
-        own = [self._pos(op.module if self._find(op.module) is not None else op.owner) for op in ops]
+        own = [pos if (pos := self._pos(op.module)) is not None else self._pos(op.owner) for op in ops]
         found = list(own)
         previous: tuple[int, int] | None = None  # (op, position) of the last op with a position
         for i, pos in enumerate(own):
