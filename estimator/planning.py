@@ -200,6 +200,7 @@ def compare(
     batch_dims: int | Mapping | None = None,
     keep_output: bool | None = None,
     optimizers: Mapping[str, Any] | None = None,
+    workers: int | None = None,
 ) -> Comparison:
     """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
     ``b`` that fits), against the single-device baseline (the first row).
@@ -211,7 +212,9 @@ def compare(
     bitsandbytes' 8-bit version of ``"adamw"`` / ``"adam"`` where it is installed.  The other
     arguments are ``estimator.report``'s (``device="cuda"`` by default, on the GPU ``gpu=``,
     default an H100; a user's own ``step=`` cannot combine with the strategies compared:
-    estimate it with ``report``).  Each distinct single-device step is captured once.
+    estimate it with ``report``).  Each distinct single-device step is captured once, in
+    ``workers`` processes forked from this one (None: one per usable core; 1: in this process),
+    and kept for later reports of the same step (``estimator.forget_captures()`` drops them).
     """
     devices = as_int(devices, "devices")
     limit = None if budget is None else parse_bytes(budget)
@@ -244,7 +247,7 @@ def compare(
         raise InputError(f"optimizers and strategies share the label(s) {', '.join(map(repr, clash))}")
     requests = {label: request.replace(strategy=s) for label, s in named.items()}
     requests |= {label: request.replace(optimizer=o) for label, o in optimizers.items()}
-    reports = estimate_each(requests)
+    reports = estimate_each(requests, workers)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]
     rows = []

@@ -49,3 +49,13 @@ def _seeded():
     reproducible failures are easier to read)."""
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_captures():
+    """Each test captures its own steps: nothing kept from an earlier test's reports
+    (``orchestrate.reuse``; tests/test_reuse.py tests the keeping)."""
+    from estimator.orchestrate import reuse
+
+    reuse.forget_captures()
+    yield

@@ -41,6 +41,7 @@ def _both(model, sample, **kwargs):
     extended = estimator.report(model, sample, mode="generate", **kwargs)
     shortened = decode_steps.shortened
     decode_steps.shortened = lambda spec: None
+    estimator.forget_captures()  # the extended capture is kept for the same step: capture it again
     try:
         full = estimator.report(model, sample, mode="generate", **kwargs)
     finally:

@@ -8,7 +8,7 @@ from torch import nn
 
 import estimator
 from estimator import InputError, Strategy, planning
-from estimator.orchestrate import estimate
+from estimator.orchestrate import path
 
 PARAMS = 4 * (64 * 64 + 64) * 4  # 4 x Linear(64, 64), fp32: 66_560 B
 
@@ -50,15 +50,15 @@ def test_compare_rows_against_single_device_reports():
 
 def test_compare_captures_each_step_once(monkeypatch):
     calls = []
-    original = estimate.capture_formula
+    original = path.formula
 
-    def counting(checked):
-        calls.append(checked.capture_spec.strategy)
-        return original(checked)
+    def counting(model, sample, spec, *args):
+        calls.append(spec.strategy)
+        return original(model, sample, spec, *args)
 
-    monkeypatch.setattr(estimate, "capture_formula", counting)
+    monkeypatch.setattr(path, "formula", counting)
     model, x = Net(), torch.randn(8, 64)
-    result = estimator.compare(model, x, 8, devices=4, device="cpu")
+    result = estimator.compare(model, x, 8, devices=4, device="cpu", workers=1)  # every capture here, counted
     # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
     # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing;
     # then the low-bit AdamW what-ifs whose library is installed, one capture each

@@ -74,7 +74,8 @@ def test_host_kernels_and_comparisons_report_their_units(tmp_path, monkeypatch):
     recorded = _Recorded()
     with seam.reporting(recorded):
         estimate_each({"sgd": estimator.Request(model, torch.randn(2, 3, 8, 8), optimizer="sgd", device="cpu"),
-                       "adam": estimator.Request(model, torch.randn(2, 3, 8, 8), optimizer="adam", device="cpu")})
+                       "adam": estimator.Request(model, torch.randn(2, 3, 8, 8), optimizer="adam", device="cpu")},
+                      workers=1)  # the kernels measured here (workers measure theirs silently)
     kernels = recorded.named("kernels measured on this host")
     assert kernels and all(b.n == b.total > 0 and b.unit == "call" for b in kernels)
     (steps,) = recorded.named("steps of the comparison")

@@ -136,6 +136,7 @@ class DataDependent(TorchDispatchMode):
         self.assumed: dict[str, None] = {}  # floating-point values answered with 0.0 (by site)
         self.host_reads: dict[str, None] = {}  # .numpy() values the probe's real run gave (by site)
         self.shadows = Shadows()  # the real values of what follows the sample alone
+        self.read_values = False  # whether a shadow or the probe gave a value or size
 
     def shadow_sample(self, fsample, sample, batch_dims: tuple[int, ...] | None = None) -> None:
         """Each sample tensor as the shadow of its fake copy (``shadows.py``)."""
@@ -202,6 +203,7 @@ class DataDependent(TorchDispatchMode):
         if isinstance(choice, float):
             return _scaled(upper, choice), Source.FRACTION, None
         if choice == SAMPLE and known is not None:  # the sample's own values fix it: no probe needed
+            self.read_values = True
             return _per_row(upper, *known), Source.INPUTS, known
         if choice == SAMPLE:
             seen = self.policy.observed.get(key)
@@ -209,6 +211,7 @@ class DataDependent(TorchDispatchMode):
                 raise meta_weights(f"the size of {key}")
             if seen is None:
                 return sympy.sympify(upper), Source.UNOBSERVED, None
+            self.read_values = True
             return _per_row(upper, *seen), Source.SAMPLE, seen
         return sympy.sympify(upper), Source.BOUND, None
 
@@ -235,10 +238,12 @@ class DataDependent(TorchDispatchMode):
         key = self._sites.key(f"numpy@{_user_line()}")
         real = self.shadows.get(t)
         if real is not None:
+            self.read_values = True
             return real
         seen = self.policy.values.get(key)
         if hasattr(seen, "__array__") and getattr(seen, "shape", None) == tuple(t.shape):
             self.host_reads[key] = None
+            self.read_values = True
             return seen
         raise NeedsProbe(f"values read on the host ({key}, .numpy()): only a real run of the model can give them")
 
@@ -258,10 +263,11 @@ class DataDependent(TorchDispatchMode):
         logged loss or gradient norm: memory does not depend on it, noted), else ``NeedsProbe``."""
         key = self._sites.key(f"{_short(func)}@{_user_line()}")
         known = self.shadows.value(args[0])
+        if known is None and key in self.policy.values:
+            known = self.policy.values[key]
         if known is not None:
+            self.read_values = True
             return known
-        if key in self.policy.values:
-            return self.policy.values[key]
         if args[0].is_floating_point():
             self.assumed[key] = None
             return 0.0

@@ -5,7 +5,7 @@ point at the node that produced them (tensors the step did not produce — param
 buffers, inputs, optimizer state — are placeholders named after what they are); multi-output
 ops get ``getitem`` nodes; sizes that are symbolic appear as their sympy expressions.  Each
 node's ``meta["tensor_meta"]`` holds its output's shape, dtype and stride (no values: the
-graph must not keep storages alive, or frees would not be seen).
+graph must not keep storages alive, or frees would not be seen; symbolic sizes as sympy).
 
 This is the eager program exactly as it ran — the same ops ``make_fx`` would record — at a
 fraction of ``make_fx``'s cost, and without its hold (``node.meta["val"]``) on every output.
@@ -28,8 +28,21 @@ from estimator.vocab.symbolic import as_expr
 
 
 def _metadata(t: torch.Tensor) -> TensorMetadata:
-    # Not shape_prop's extractor: its contiguity queries would add shape guards.
-    return TensorMetadata(t.shape, t.dtype, t.requires_grad, t.stride(), None, False, {})
+    # Not shape_prop's extractor: its contiguity queries would add shape guards.  Symbolic sizes
+    # and strides as sympy expressions, as in the arguments: no hold on the capture's ShapeEnv,
+    # and the graph pickles (``compare``'s worker processes send it back).
+    return TensorMetadata(tuple(as_expr(x) for x in t.shape), t.dtype, t.requires_grad,
+                          tuple(as_expr(x) for x in t.stride()), None, False, {})
+
+
+def map_metadata(meta: Any, fn) -> Any:
+    """A node's ``meta["tensor_meta"]`` (one ``TensorMetadata``, or a tuple/list of them and
+    others for a multi-output op) with ``fn`` applied to its sympy sizes and strides."""
+    if isinstance(meta, TensorMetadata):
+        return meta._replace(shape=map_exprs(meta.shape, fn), stride=map_exprs(meta.stride, fn))
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(map_metadata(m, fn) for m in meta)
+    return meta
 
 
 class GraphRecorder:

@@ -100,3 +100,6 @@ class RawCapture:
     # the state before the step, storage -> the name of its tensor (``StepSpec``'s state: parameters, buffers,
     # held tensors, optimizer state, what a user's step keeps by name)
     state_names: dict[int, str] = field(default_factory=dict)
+    # values fake tensors cannot know came from the sample's values (shadows) or a real run (the probe): the
+    # capture follows the values of the sample (and, probed, of the weights), not only their shapes
+    reads_values: bool = False

@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_flatten
 
 from estimator.capture.fake import SIZE_MAX
-from estimator.capture.graph import map_exprs
+from estimator.capture.graph import map_exprs, map_metadata
 from estimator.capture.records import RawCapture
 from estimator.capture.tracker import Storage, Tracker, as_expr
 from estimator.vocab.data_dependent import Site
@@ -158,10 +158,12 @@ def to_batch_symbol(tracker: Tracker, graph, shape_env: ShapeEnv, symbols, k: in
     for op in tracker.ops:
         op.scratch = tuple(to_poly(x, bound=True) for x in op.scratch)
     in_graph = functools.lru_cache(maxsize=None)(lambda e: e.xreplace(to_b))
-    for node in graph.nodes:  # symbolic sizes in the graph's arguments, in terms of b (and s)
+    for node in graph.nodes:  # symbolic sizes in the graph's arguments and metadata, in terms of b (and s)
         args, kwargs = map_exprs(node.args, in_graph), map_exprs(node.kwargs, in_graph)
         if args is not node.args or kwargs is not node.kwargs:
             node.args, node.kwargs = args, kwargs
+        if "tensor_meta" in node.meta:
+            node.meta["tensor_meta"] = map_metadata(node.meta["tensor_meta"], in_graph)
 
     def in_b(expr):
         return sympy.expand(shape_env.replace(sympy.sympify(expr)).xreplace(to_b))

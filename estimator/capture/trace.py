@@ -122,19 +122,24 @@ def _capture_generated(model: nn.Module, sample: Any, spec: StepSpec, batch: int
 
 def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
                     seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """The capture, with the values fake tensors cannot know (sizes, Python branches on tensor
+    values) from a real run on the sample (``_probed``) where it needs them (``RawCapture.reads_values``)."""
     policy = spec.data_dependent
     # A one-row sample is captured with b hinted at 2 (sizes 0 and 1 specialize): code that reads
     # values only for several rows (generate()'s right-padding check) reads them in the capture,
     # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
     cycled = symbolic or has_row_lists(spec.batch_dims)
     probe_sample = _with_rows(sample, batch, spec.batch_dims) if cycled else sample
+    ran = False  # whether the probe ran
     if policy.needs_probe:
         try:
             spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
+            ran = True
         except InputError:  # the weights are on the meta device: the sample's own values may fix every size
             spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
     try:
-        return _capture(model, sample, spec, batch, symbolic, seq_dims)
+        raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
+        return dataclasses.replace(raw, reads_values=raw.reads_values or ran)
     except datadep.NeedsProbe as exc:
         if spec.data_dependent.observed or spec.data_dependent.values:
             raise _unreached(exc, spec.data_dependent) from None
@@ -146,9 +151,11 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
                 raise CaptureError(f"{_at(exc)}; the model's weights are on the meta device, so fxmem cannot run "
                                    "it: build it with real (e.g. random) weights (command line: --device-init cpu)"
                                    ) from None
-            return _stood_in(model, stand_in, sample, probe_sample, spec, batch, symbolic, seq_dims)
+            return dataclasses.replace(_stood_in(model, stand_in, sample, probe_sample, spec, batch, symbolic,
+                                                 seq_dims), reads_values=True)
     try:
-        return _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+        raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
+        return dataclasses.replace(raw, reads_values=True)
     except datadep.NeedsProbe as exc:
         raise _unreached(exc, probed) from None
 
@@ -357,12 +364,12 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
-                          managed=sum(managed.values()), state_names=state_names)
+                          managed=sum(managed.values()), state_names=state_names, reads_values=dd.read_values)
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
                                   decoded.get("guard_marks", ()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
-    raw.state_names = state_names
+    raw.state_names, raw.reads_values = state_names, dd.read_values
     return raw
 
 

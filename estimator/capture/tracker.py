@@ -232,12 +232,18 @@ class Tracker(TorchDispatchMode):
 
     def flush(self) -> None:
         """Attach frees seen since the last op to it (call when the step ends); frees before the
-        first op (a user's step that starts with ``zero_grad()``) go to ``freed_first``."""
+        first op (a user's step that starts with ``zero_grad()``) go to ``freed_first``.
+
+        Frees between two ops happen at one point of the allocator's time (every allocation is an
+        op), in an order nothing real fixes: a container's destruction order (autocast's cache of
+        cast weights is a hash map of tensor pointers, ``aten/src/ATen/autocast_mode.cpp``), so
+        they are kept in the order the storages were made."""
         self._hand_saved()
+        pending = sorted(self._pending_frees)
         if self.ops:
-            self.ops[-1].frees += self._pending_frees
+            self.ops[-1].frees += pending
         else:
-            self.freed_first += self._pending_frees
+            self.freed_first += pending
         self._pending_frees = []
 
     # -- module paths -------------------------------------------------------------------

@@ -354,9 +354,11 @@ def _range_note(rep, best: int | None) -> str:
               help="a strategy instead of the default nine: Strategy fields as key=value, comma-separated "
                    "(data_parallel=4,sharding=zero3,amp=bf16,checkpoint=Block); repeat for several.")
 @click.option("--budget", metavar="BYTES", help="also the largest batch that fits per device, e.g. 80GiB.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="processes that capture the distinct steps (default: one per core; 1: in this one).")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")
 @handle_errors
-def compare(devices, specs, budget, as_json, **kwargs):
+def compare(devices, specs, budget, workers, as_json, **kwargs):
     """Compare training strategies for MODEL: the peak per device of each at the same b (per
     device for data parallelism), against one device.
 
@@ -376,7 +378,8 @@ def compare(devices, specs, budget, as_json, **kwargs):
 
     def run(model, sample, **options):
         strategies = [parse_strategy(spec, model) for spec in specs] or None
-        return estimator.compare(model, sample, strategies=strategies, devices=devices, budget=limit, **options)
+        return estimator.compare(model, sample, strategies=strategies, devices=devices, budget=limit,
+                                 workers=workers, **options)
 
     result = _estimate(opts, run)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
@@ -387,9 +390,11 @@ def compare(devices, specs, budget, as_json, **kwargs):
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=1, show_default=True, help="devices available.")
 @click.option("--budget", metavar="BYTES", help="memory per device, e.g. 80GiB (default: the GPU's; --device cpu needs "
               "one).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="processes that capture the distinct steps (default: one per core; 1: in this one).")
 @click.option("--json", "as_json", is_flag=True, help="print JSON.")
 @handle_errors
-def plan(devices, budget, as_json, **kwargs):
+def plan(devices, budget, workers, as_json, **kwargs):
     """The strategies whose step of MODEL fits --budget on each of --devices devices, ranked by
     the most samples per optimizer step they allow.
 
@@ -404,7 +409,7 @@ def plan(devices, budget, as_json, **kwargs):
     import estimator
 
     def run(model, sample, **options):
-        return estimator.plan(model, sample, limit, devices, **options)
+        return estimator.plan(model, sample, limit, devices, workers=workers, **options)
 
     result = _estimate(opts, run)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))

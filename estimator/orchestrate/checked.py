@@ -62,13 +62,6 @@ class Checked:
     def microbatches(self) -> int:
         return self.strategy.microbatches or 1
 
-    @property
-    def capture_key(self) -> tuple:
-        """Requests with equal keys (in one ``compare``) share the captured formulas (the optimizer
-        as given: a name, or the user's own factory object)."""
-        return (self.spec.precision, self.capture_spec.strategy, self.spec.keep_output, self.spec.step,
-                self.spec.compiled, self.request.optimizer)
-
 
 def check(request: Request) -> Checked:
     """``request`` checked, each bad argument named in an ``InputError``; the step to capture."""

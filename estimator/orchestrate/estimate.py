@@ -1,7 +1,7 @@
 """One report from a checked request: capture (``orchestrate.path``), per rank, on the device, assembled.
 
 ``estimate(request)`` is ``estimator.report``: ``checked.check`` first, then the single-device
-step's formulas (``capture_formula``, shared by requests with one ``capture_key``), the step at
+step's formulas (``capture_formula``, kept for the same step's next report: ``orchestrate.reuse``), the step at
 the request's batch (``capture_step``), each rank's step where the strategy spans devices
 (``ranks.per_rank``), the CUDA device's view (``devices.cuda``) and the ``Report``.
 ``estimate_each`` does it for several requests (``compare``/``plan``), capturing each distinct
@@ -19,10 +19,11 @@ from torch import nn
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import steps
 from estimator.devices import cuda, cudnn
-from estimator.orchestrate import dtype_formula
+from estimator.orchestrate import dtype_formula, reuse
 from estimator.orchestrate import path as capture_path
 from estimator.orchestrate.checked import Checked, check
 from estimator.orchestrate.path import Captured, Formula
+from estimator.orchestrate.workers import capture_each
 from estimator.ranks.per_rank import per_rank
 from estimator.reporting.result import Generated, ModuleRow, Piece, RankReport, Report
 from estimator.vocab import gpus, progress
@@ -52,17 +53,16 @@ def estimate(request: Request) -> Report:
                                dtype_formula=dtype_formula.build(checked, formula, cast, capture_formula))
 
 
-def estimate_each(requests: Mapping[str, Request]) -> dict[str, Report]:
+def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -> dict[str, Report]:
     """``estimate`` of every request (by label), one capture per distinct captured step
-    (``Checked.capture_key``)."""
+    (``orchestrate.reuse``), those in ``workers`` processes (``orchestrate.workers``; None: one
+    per usable core)."""
     checks = {label: check(request) for label, request in requests.items()}  # every argument before any capture
-    formulas = {}
+    capture_each(list(checks.values()), workers)
     out = {}
     with progress.task("steps of the comparison", total=len(checks), unit="step") as bar:
         for label, checked in checks.items():
-            if checked.capture_key not in formulas:
-                formulas[checked.capture_key] = capture_formula(checked)
-            out[label] = result(checked, capture_step(checked, formulas[checked.capture_key]))
+            out[label] = result(checked, capture_step(checked))
             bar.update()
     return out
 
@@ -149,9 +149,16 @@ def _with_sample_sizes(checked: Checked, rep: Report) -> Report:
 
 def capture_formula(checked: Checked) -> Formula:
     """The request's single-device step as formulas (``orchestrate.path.formula``: symbolic, ``b``
-    alone, or concrete fits).  Requests with the same ``capture_key`` share it."""
-    return capture_path.formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
-                                checked.microbatches, checked.seq_dims, checked.seq)
+    alone, or concrete fits), or the one kept from an earlier capture of the same step
+    (``orchestrate.reuse``)."""
+    key = reuse.key(checked)
+    hint = capture_path.hint_of(checked.batch, checked.microbatches, checked.seq)
+    formula = reuse.find(key, hint, checked.spec.compiled is not None)
+    if formula is None:
+        formula = capture_path.formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
+                                       checked.microbatches, checked.seq_dims, checked.seq)
+        reuse.keep(key, hint, formula)
+    return formula
 
 
 def capture_step(checked: Checked, formula: Formula | None = None) -> Captured:

@@ -44,6 +44,7 @@ class Formula:
     notes: tuple[str, ...]  # what the capture path had to do (fallbacks)
     data_dependent: tuple[Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
     own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
+    reads_values: bool = True  # it follows the values of the sample or weights (``RawCapture.reads_values``)
 
     @property
     def seq_range_lo(self) -> int:
@@ -59,14 +60,18 @@ class Captured(Formula):
     separate: bool = False  # ``at_batch`` is a capture of its own (outside, or a compiled step's own program)
 
 
+def hint_of(batch: int, microbatches: int, seq: int | None) -> int:
+    """The batch size a step's capture runs at: one micro-batch's rows, at least 2."""
+    hint = max(batch // microbatches, 2)
+    return hint + 1 if hint == seq else hint  # equal hints would make b and s one symbol (duck sizing)
+
+
 def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
             seq_dims: dict[int, tuple[int, ...]] | None, seq: int | None) -> Formula:
     """Capture the step symbolically (b, and s when ``seq_dims``), falling back to b alone and
     then to fitted concrete captures, hinted at the batch of one micro-batch."""
     notes: list[str] = []
-    hint = max(batch // microbatches, 2)
-    if hint == seq:
-        hint += 1  # equal hints would make b and s one symbol (duck sizing)
+    hint = hint_of(batch, microbatches, seq)
     graph, seq_range = None, None
     try:
         try:
@@ -83,10 +88,11 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         if raw.rounded:
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
-        sites = raw.data_dependent
+        sites, reads_values = raw.data_dependent, raw.reads_values
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
+        reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
             timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
         except CaptureError as differs:
@@ -112,7 +118,8 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
     if spec.compiled is not None:
         timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path, notes)
         notes.extend(compiled_notes)
-    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own)
+    return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
+                   reads_values)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,

@@ -285,15 +285,7 @@ class _Cache:
         path = self._file()
         key = str(path)
         if key not in self.memory:
-            table: dict[str, Measured] = {}
-            if path is not None and path.exists():
-                try:
-                    raw = json.loads(path.read_text())
-                    if raw.get("host") == host():
-                        table = {k: Measured(tuple(v["deltas"]), tuple(v["outputs"])) for k, v in raw["calls"].items()}
-                except (OSError, ValueError, KeyError, TypeError):
-                    log.warning("ignoring an unreadable kernel cache %s", path)
-            self.memory[key] = table
+            self.memory[key] = _read(path)
         return self.memory[key]
 
     def save(self) -> None:
@@ -301,6 +293,8 @@ class _Cache:
         if path is None:
             return
         table = self.table()
+        for key, measured in _read(path).items():  # what other processes (compare's workers) wrote since
+            table.setdefault(key, measured)
         data = {"host": host(), "calls": {k: {"deltas": list(m.deltas), "outputs": list(m.outputs)}
                                            for k, m in table.items()}}
         try:
@@ -311,6 +305,20 @@ class _Cache:
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("could not write the kernel cache %s: %s", path, exc)
+
+
+def _read(path: Path | None) -> dict[str, Measured]:
+    """The measurements the cache file ``path`` holds for this host (none if it is absent, for
+    another host or unreadable)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("host") == host():
+            return {k: Measured(tuple(v["deltas"]), tuple(v["outputs"])) for k, v in raw["calls"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning("ignoring an unreadable kernel cache %s", path)
+    return {}
 
 
 CACHE = _Cache()
