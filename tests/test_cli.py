@@ -378,8 +378,10 @@ def test_compare_and_plan():
     # ZeRO-1 is DDP (buckets too) with half the optimizer state per rank
     assert rows["DDP x2"]["peak_bytes"] > rows["ZeRO-1 x2"]["peak_bytes"] > rows["single device"]["peak_bytes"]
     assert all(r["max_batch"] > 0 for r in rows.values())
-    text = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--device", "cpu", "-q"]).stdout
+    text = CliRunner().invoke(cli, ["compare", "mlp", "-n", "2", *specs, "--device", "cpu", "-q",
+                                    "--workers", "1"]).stdout
     assert text.startswith("fxmem compare: MLP, b = 8, on the CPU\n") and "ZeRO-1 x2" in text and "baseline" in text
+    assert CliRunner().invoke(cli, ["compare", "mlp", "--workers", "0", "-q"]).exit_code == 2  # at least 1
     bad = CliRunner().invoke(cli, ["compare", "mlp", "--strategy", "ranks=2", "-q"])
     assert bad.exit_code == 2 and "expected key=value" in bad.stderr
     plan = CliRunner().invoke(cli, ["plan", "mlp", "-n", "2", "--budget", "1MiB", "--json", "--device", "cpu", "-q"])

@@ -151,9 +151,7 @@ def capture_formula(checked: Checked) -> Formula:
     """The request's single-device step as formulas (``orchestrate.path.formula``: symbolic, ``b``
     alone, or concrete fits), or the one kept from an earlier capture of the same step
     (``orchestrate.reuse``)."""
-    key = reuse.key(checked)
-    hint = capture_path.hint_of(checked.batch, checked.microbatches, checked.seq)
-    formula = reuse.find(key, hint, checked.spec.compiled is not None)
+    key, hint, formula = reuse.lookup(checked)
     if formula is None:
         formula = capture_path.formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
                                        checked.microbatches, checked.seq_dims, checked.seq)

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimator.corrections import custom_ops
 from estimator.orchestrate.checked import Checked
-from estimator.orchestrate.path import Formula
+from estimator.orchestrate.path import Formula, hint_of
 from estimator.reporting.result import CapturePath
 
 KEPT = 16  # keys kept (least recently used dropped first; a plan's distinct steps fit): each holds its timeline
@@ -191,6 +191,14 @@ def _holds(formula: Formula, hint: int, compiled: bool) -> bool:
             and (formula.valid_to is None or hint <= formula.valid_to))
 
 
+def lookup(checked: Checked) -> tuple[Key | None, int, Formula | None]:
+    """``checked``'s key, the batch its capture runs at (``path.hint_of``) and the kept formula
+    that holds there (None: capture it, then ``keep`` it)."""
+    k = key(checked)
+    hint = hint_of(checked.batch, checked.microbatches, checked.seq)
+    return k, hint, find(k, hint, checked.spec.compiled is not None)
+
+
 def find(k: Key | None, hint: int, compiled: bool) -> Formula | None:
     """A kept formula for key ``k`` at ``hint``, if one holds there."""
     if k is None or k.value not in _kept:
@@ -200,7 +208,8 @@ def find(k: Key | None, hint: int, compiled: bool) -> Formula | None:
         del _kept[k.value]
         return None
     _kept.move_to_end(k.value)
-    candidates = [formulas[hint]] if hint in formulas else [f for h, f in formulas.items() if _holds(f[0], hint, compiled)]
+    candidates = [formulas[hint]] if hint in formulas else [
+        (f, made) for f, made in formulas.values() if _holds(f, hint, compiled)]
     return next((f for f, made in candidates if not f.reads_values or made.same_values(k)), None)
 
 

@@ -1,18 +1,19 @@
 """The distinct captures of a ``compare`` / ``plan``, in worker processes forked from this one.
 
-A capture is Python running the model op by op: one core.  ``capture_each`` hands the steps
-no kept formula covers (``orchestrate.reuse``: one per key, at the first request's hint) to
-worker processes forked after every import, one per usable core at most: the model, the sample
-and the user's functions are in each child as they are here (nothing of them is pickled), and
-each child sends its ``Formula`` back pickled (``_dumps``: aten overloads by name).  The formulas
-are kept here, so the reports that follow find them.
+A capture is Python running the model op by op: one core.  ``capture_each`` hands the steps no
+kept formula covers (``orchestrate.reuse``: one per key and hint) to worker processes forked
+after every import, one per usable core at most, the longest (compiled) first: the model, the
+sample and the user's functions are in each child as they are here (nothing of them is pickled),
+and each child sends its ``Formula`` back pickled (``_dumps``: aten overloads by name, fx graphs
+as their node lists).  The formulas are kept here, so the reports that follow find them.
 
 A child is the capture this process would run: the same torch settings and thread count (the
-CPU target's host-kernel measurements run kernels with this process's threads; they write the
-shared kernel cache by read-merge-replace, ``corrections.cpu.host``); it shows no progress bars
-(the parent's bar counts the captures).  A capture that fails in a child is left to this
-process, which runs it again and raises as a report would.  Fork is POSIX-only and unsafe on
-macOS (its system frameworks); elsewhere, and with ``workers=1``, everything runs here.
+CPU target's corrections and host-kernel measurements follow this process's threads; the
+measurements go to the shared kernel cache by read-merge-replace, ``corrections.cpu.host``),
+on a thread of its own (``_capture``: OpenMP after fork), which starts with an empty context:
+no progress bars (the parent's bar counts the captures).  A capture that fails in a child is
+left to this process, which runs it again and raises as a report would.  Fork is POSIX-only and
+unsafe on macOS (its system frameworks): there, and with ``workers=1``, everything runs here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import fx
 
 from estimator.orchestrate import reuse
 from estimator.orchestrate.checked import Checked
-from estimator.orchestrate.path import formula, hint_of
+from estimator.orchestrate.path import formula
 from estimator.vocab import progress
 from estimator.vocab.errors import InputError
 
@@ -135,11 +136,9 @@ def capture_each(checks: list[Checked], workers: int | None = None) -> None:
     formulas (``reuse.keep``).  Captures that fail are left out."""
     todo: dict[tuple, tuple[reuse.Key, int, Checked]] = {}
     for checked in checks:
-        key = reuse.key(checked)
-        hint = hint_of(checked.batch, checked.microbatches, checked.seq)
-        if key is not None and (key.value, hint) not in todo and \
-                reuse.find(key, hint, checked.spec.compiled is not None) is None:
-            todo[key.value, hint] = (key, hint, checked)
+        key, hint, kept = reuse.lookup(checked)
+        if key is not None and kept is None:
+            todo.setdefault((key.value, hint), (key, hint, checked))
     # the longest first (a compiled step's capture compiles it): the others fill the other workers
     todo = dict(sorted(todo.items(), key=lambda item: item[1][2].spec.compiled is None))
     n = workers_for(workers, len(todo))
