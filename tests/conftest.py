@@ -59,3 +59,20 @@ def _no_kept_captures():
 
     reuse.forget_captures()
     yield
+
+
+@pytest.fixture
+def captures(monkeypatch) -> list:
+    """The captures run in this process (the strategy of each), counted: a test asks for it to
+    see which reports captured and which reused a kept step or a worker's."""
+    from estimator.orchestrate import path
+
+    calls = []
+    original = path.formula
+
+    def counting(model, sample, spec, *args):
+        calls.append(spec.strategy)
+        return original(model, sample, spec, *args)
+
+    monkeypatch.setattr(path, "formula", counting)
+    return calls

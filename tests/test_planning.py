@@ -8,7 +8,6 @@ from torch import nn
 
 import estimator
 from estimator import InputError, Strategy, planning
-from estimator.orchestrate import path
 
 PARAMS = 4 * (64 * 64 + 64) * 4  # 4 x Linear(64, 64), fp32: 66_560 B
 
@@ -48,15 +47,7 @@ def test_compare_rows_against_single_device_reports():
         result["nope"]
 
 
-def test_compare_captures_each_step_once(monkeypatch):
-    calls = []
-    original = path.formula
-
-    def counting(model, sample, spec, *args):
-        calls.append(spec.strategy)
-        return original(model, sample, spec, *args)
-
-    monkeypatch.setattr(path, "formula", counting)
+def test_compare_captures_each_step_once(captures):
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, devices=4, device="cpu", workers=1)  # every capture here, counted
     # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
@@ -66,7 +57,7 @@ def test_compare_captures_each_step_once(monkeypatch):
     assert [r.label for r in result.rows] == [
         "single device", "AMP bf16", "compiled", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4",
         "ZeRO-3 x4", "pipeline x4 (1F1B)", *low_bit]
-    assert len(calls) == 4 + len(low_bit)
+    assert len(captures) == 4 + len(low_bit)
     assert result["compiled"].cost.startswith("compiles at the first step")
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import estimator
 from estimator import InputError, Strategy
-from estimator.orchestrate import path, reuse, workers
+from estimator.orchestrate import reuse, workers
 from estimator.orchestrate.checked import check
 from estimator.vocab.request import Request
 
@@ -28,20 +28,6 @@ class Net(nn.Module):
         for block in self.blocks:
             x = torch.relu(block(x)) * self.scale
         return x
-
-
-@pytest.fixture
-def captures(monkeypatch) -> list:
-    """The captures run in this process (their strategies), counted."""
-    calls = []
-    original = path.formula
-
-    def counting(model, sample, spec, *args):
-        calls.append(spec.strategy)
-        return original(model, sample, spec, *args)
-
-    monkeypatch.setattr(path, "formula", counting)
-    return calls
 
 
 def _plain(rep):
