@@ -38,7 +38,7 @@ from estimator.vocab import progress
 from estimator.vocab.errors import InputError
 
 # the captures a forked child runs, by index (set before the fork; a child reads its copy)
-_TODO: list[Checked] = []
+_PENDING: list[Checked] = []
 
 
 def usable_cores() -> int:
@@ -106,13 +106,13 @@ def _dumps(value) -> bytes:
 
 
 def _capture(index: int) -> bytes:
-    """In a child: the formula of ``_TODO[index]``, pickled.
+    """In a child: the formula of ``_PENDING[index]``, pickled.
 
     It runs in a thread of its own: fork copies the parent's OpenMP state (GNU libgomp keeps a
     pool of threads per thread that ran a parallel region), not its threads, so a parallel kernel
     on this thread would wait for them forever.  A new thread starts a pool of its own, at the
     parent's thread count (what the CPU target's corrections and measurements follow)."""
-    checked, threads, done = _TODO[index], torch.get_num_threads(), {}
+    checked, threads, done = _PENDING[index], torch.get_num_threads(), {}
 
     def run() -> None:
         torch.set_num_threads(threads)
@@ -144,10 +144,10 @@ def capture_each(checks: list[Checked], workers: int | None = None) -> None:
     n = workers_for(workers, len(todo))
     if n < 2:
         return
-    _TODO[:] = [checked for _, _, checked in todo.values()]
+    _PENDING[:] = [checked for _, _, checked in todo.values()]
     try:
         context = multiprocessing.get_context("fork")
-        with progress.task("steps captured in worker processes", total=len(_TODO), unit="step") as bar, \
+        with progress.task("steps captured in worker processes", total=len(_PENDING), unit="step") as bar, \
                 concurrent.futures.ProcessPoolExecutor(n, mp_context=context) as pool:
             futures = {pool.submit(_capture, i): (key, hint) for i, (key, hint, _) in enumerate(todo.values())}
             for future in concurrent.futures.as_completed(futures):
@@ -158,5 +158,5 @@ def capture_each(checks: list[Checked], workers: int | None = None) -> None:
                     continue
                 reuse.keep(*futures[future], formula_)
     finally:
-        _TODO.clear()
+        _PENDING.clear()
 
