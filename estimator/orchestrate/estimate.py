@@ -153,8 +153,7 @@ def capture_formula(checked: Checked) -> Formula:
     (``orchestrate.reuse``)."""
     key, hint, formula = reuse.lookup(checked)
     if formula is None:
-        formula = capture_path.formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
-                                       checked.microbatches, checked.seq_dims, checked.seq)
+        formula = capture_path.formula_of(checked)
         reuse.keep(key, hint, formula)
     return formula
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -25,6 +25,9 @@ from estimator.reporting.result import CapturePath
 from estimator.vocab.data_dependent import Site
 from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import ZERO, NotPolynomial, Poly
+
+if TYPE_CHECKING:
+    from estimator.orchestrate.checked import Checked
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,12 @@ def hint_of(batch: int, microbatches: int, seq: int | None) -> int:
     """The batch size a step's capture runs at: one micro-batch's rows, at least 2."""
     hint = max(batch // microbatches, 2)
     return hint + 1 if hint == seq else hint  # equal hints would make b and s one symbol (duck sizing)
+
+
+def formula_of(checked: Checked) -> Formula:
+    """``formula`` of a checked request's single-device step (``Checked.capture_spec``)."""
+    return formula(checked.model, checked.sample, checked.capture_spec, checked.batch, checked.microbatches,
+                   checked.seq_dims, checked.seq)
 
 
 def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,

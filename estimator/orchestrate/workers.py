@@ -33,7 +33,7 @@ from torch import fx
 
 from estimator.orchestrate import reuse
 from estimator.orchestrate.checked import Checked
-from estimator.orchestrate.path import formula
+from estimator.orchestrate.path import formula_of
 from estimator.vocab import progress
 from estimator.vocab.errors import InputError
 
@@ -117,8 +117,7 @@ def _capture(index: int) -> bytes:
     def run() -> None:
         torch.set_num_threads(threads)
         try:
-            done["formula"] = _dumps(formula(checked.model, checked.sample, checked.capture_spec, checked.batch,
-                                             checked.microbatches, checked.seq_dims, checked.seq))
+            done["formula"] = _dumps(formula_of(checked))
         except BaseException as exc:  # noqa: BLE001 - raised again on this thread, for the parent
             done["error"] = exc
 
