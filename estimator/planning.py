@@ -57,7 +57,7 @@ class Row:
 
     @property
     def max_samples_per_step(self) -> int | None:
-        return None if self.max_batch is None else self.max_batch * self.strategy.data_parallel
+        return None if self.max_batch is None else self.max_batch * self.strategy.replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,7 @@ def compare(
             report=rep,
             peak_bytes=rep.peak_bytes,
             saving=1 - rep.peak_bytes / base.peak_bytes,
-            samples_per_step=rep.batch * s.data_parallel,
+            samples_per_step=rep.batch * s.replicas,
             communication_bytes=communication_bytes(model, s),
             cost=cost(s) if label in named else optimizer_cost(optimizers[label]),
             max_batch=None if limit is None else rep.max_batch(limit),
@@ -330,7 +330,7 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     the gradients ``G`` and parameters ``P`` of the trainable parameters: DDP all-reduces G;
     ZeRO-1 adds the parameter broadcast (P); ZeRO-2 all-gathers P once and reduce-scatters G;
     ZeRO-3 all-gathers P twice (forward and backward).  Pipelines send activations: not
-    counted (0); nor is tensor parallelism's traffic."""
+    counted (0); nor is a mesh's (your parallel code's) traffic."""
     n = strategy.data_parallel
     if n == 1:
         return 0
@@ -368,6 +368,8 @@ def cost(strategy: Strategy) -> str:
                       Sharding.ZERO3: "2 all-gathers + reduce-scatter"}[strategy.sharding])
     if strategy.compile:
         parts.append("compiles at the first step (and again at a new batch size)")
+    if strategy.mesh is not None:
+        parts.append("your parallel code's collectives (not counted)")
     if strategy.pipeline > 1:
         s, m = strategy.pipeline, strategy.microbatches
         bubble = (s - 1) / (m + s - 1)

@@ -94,7 +94,7 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(grouped).reshape(B, self.n_heads, T, self.head_dim)  # (B, nh, T, hd)
             v = v[:, :, None].expand(grouped).reshape(B, self.n_heads, T, self.head_dim)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C); C / tp under tensor parallelism
 
 
 class FeedForward(nn.Module):

@@ -25,9 +25,9 @@ def captured(model, sample, **kwargs):
     seen = {}
     original = estimate.result
 
-    def spy(request, step_):
+    def spy(request, step_, *roles):
         seen["request"], seen["step"] = request, step_
-        return original(request, step_)
+        return original(request, step_, *roles)
 
     estimate.result = spy
     try:

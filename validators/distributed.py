@@ -36,6 +36,12 @@ accumulation, checkpointing and autocast each rank's step applies):
                     batch / world.  options: reshard_after_forward, blocks (a callable
                     model -> list of modules; default: the children with parameters of the
                     model's first nn.Sequential / nn.ModuleList, the model itself included).
+    mesh            the job's own parallel code: ``init_device_mesh("cpu", sizes,
+                    mesh_dim_names=names)`` from options ``mesh`` ({name: size}), then
+                    ``parallelize(model, mesh)`` (option ``parallelize``: picklable, a
+                    module-level function or a partial of one); every rank runs ``batch``
+                    samples (``batch`` is per rank here); option ``user_step``: the job's own
+                    ``step(model, sample, optimizer)`` instead of the built-in step.
     pipeline-gpipe  ``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B; an
     pipeline-1f1b   nn.Sequential model is cut into ``world_size`` contiguous stages (balanced
                     by parameter count, or ``split_points``: the child indices where stages
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import socket
 import traceback
@@ -77,7 +84,7 @@ _PRELOAD = (
     "torch.profiler",
     "validators.distributed",
 )
-STRATEGIES = ("single", "ddp", "zero1", "fsdp2", "pipeline-gpipe", "pipeline-1f1b")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp2", "mesh", "pipeline-gpipe", "pipeline-1f1b")
 Build = Callable[[], tuple[nn.Module, Callable[[int], Any], Any]]
 
 
@@ -138,6 +145,8 @@ def measure_ranks(
         raise ValueError("strategy 'single' runs one process: world_size must be 1")
     if world_size < 1 or batch < 1:
         raise ValueError(f"world_size and batch must be >= 1, got {world_size}, {batch}")
+    if strategy == "mesh" and math.prod(options.get("mesh", {}).values()) != world_size:
+        raise ValueError(f"mesh: the mesh {options.get('mesh')} does not have {world_size} ranks")
     if strategy in ("ddp", "zero1", "fsdp2") and batch % world_size:
         raise ValueError(f"{strategy}: batch {batch} does not split over {world_size} ranks")
     import pickle
@@ -335,6 +344,9 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
     factory = steps.optimizer_factory(optimizer)
     options = dict(options)
     single = options.pop("step", None) or steps.DEFAULT  # accumulation, checkpointing, autocast in each rank
+    user_step = options.pop("user_step", None)
+    if user_step is not None and strategy != "mesh":
+        raise ValueError(f"{strategy}: the user_step= option is for strategy 'mesh'")
     precision = steps.Precision.of(single.amp, single.grad_scaler, Mode.TRAIN)
 
     if strategy.startswith("pipeline"):
@@ -344,7 +356,7 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
             rank, world, strategy, model, sample_fn, loss_fn, batch, factory, options
         )
     else:
-        local_batch = batch // world
+        local_batch = batch if strategy == "mesh" else batch // world
         sample = sample_fn(local_batch)
         if isinstance(model, nn.Sequential):  # sample (input, target): feed the input only
             model = _InputOnly(model)
@@ -367,12 +379,21 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
                 fully_shard(block, mesh=mesh, **options)
             fully_shard(model, mesh=mesh, **options)
             role = f"shard {rank}/{world}"
+        elif strategy == "mesh":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dims = options.pop("mesh")
+            parallelize = options.pop("parallelize")
+            parallelize(model, init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims)))
+            role = f"rank {rank}/{world}"
         elif options:
             raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(options)}")
         opt, scaler = steps.prepare(model, Mode.TRAIN, factory, precision)
         state_model = model
 
         def run():
+            if user_step is not None:  # the job's own step, handed the optimizer
+                return user_step(model, sample, opt)
             return steps.run(model, sample, Mode.TRAIN, opt, loss_fn, precision=precision, scaler=scaler,
                             strategy=single)
 

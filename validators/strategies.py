@@ -5,7 +5,9 @@
 
 Distributed strategies run as real ``torch.distributed`` jobs on local gloo processes
 (``validators.distributed.measure_ranks``: DDP, ZeRO-1 = DDP + ZeroRedundancyOptimizer,
-ZeRO-2/3 = FSDP2 ``fully_shard``, ``torch.distributed.pipelining`` GPipe / 1F1B); mixed
+ZeRO-2/3 = FSDP2 ``fully_shard``, ``torch.distributed.pipelining`` GPipe / 1F1B, and a job's
+own parallelize function on a device mesh, ``models_zoo/parallelize.py``: FSDP2 with
+``MixedPrecisionPolicy``, HSDP, tensor and sequence parallelism, FSDP x TP, op-level SAC); mixed
 precision, gradient accumulation and checkpointing run in one process
 (``validators.cpu.measure_cpu``).  Each rank's measured peak is compared with the prediction
 for that rank (``Report.ranks``).  Results: a section of docs/validation.md (between the
@@ -60,12 +62,23 @@ class Case:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def _llama_8_heads():
+    """The zoo's debug Llama with 8 query and 4 key/value heads: tensor parallelism over 4 ranks."""
+    import dataclasses
+
+    from models_zoo import llama
+
+    return llama.make(dataclasses.replace(llama.Config(), n_heads=8, n_kv_heads=4))
+
+
 MODELS = {
     "mlp": functools.partial(sequential_mlp, 256, 4),
     "mlp-uneven": functools.partial(sequential_mlp, 250, 3),  # 250 rows: shards padded on 4 ranks
     "mlp-classes": functools.partial(sequential_mlp, 256, 4, 10),
     "gpt": functools.partial(models_zoo.get, "gpt", "debug"),
     "gpt-bf16": functools.partial(models_zoo.get, "gpt", "debug", dtype=torch.bfloat16),  # pure bf16 weights
+    "llama": functools.partial(models_zoo.get, "llama", "debug"),
+    "llama-8h": _llama_8_heads,
 }
 
 
@@ -123,7 +136,39 @@ def cases() -> list[Case]:
              Strategy(pipeline=2, microbatches=4, split_points=s2, checkpoint=nn.Linear), 64, "pipeline-1f1b",
              {"split_points": [4], "checkpoint": nn.Linear}),
     ]
-    return single + distributed + sharded + pipelines
+    return single + distributed + sharded + pipelines + meshes()
+
+
+def meshes() -> list[Case]:
+    """The job's own parallelize function (``models_zoo/parallelize.py``) on a device mesh: the
+    capture runs it on a fake process group, each real rank runs it on gloo; ``b`` per rank."""
+    from models_zoo import parallelize as par
+
+    def case(name: str, model: str, mesh: dict, fn, batch: int = 4, **options) -> Case:
+        return Case(name, model, Strategy(mesh=mesh, parallelize=fn), batch, "mesh",
+                    {"mesh": mesh, "parallelize": fn, **options})
+
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    return [
+        case("mesh: FSDP2 x4 bf16 params, fp32 reduce", "mlp-uneven", {"dp_shard": 4},
+             functools.partial(par.fsdp, **bf16)),
+        case("mesh: FSDP2 x4 reshard_after_forward=2", "mlp-uneven", {"dp_shard": 4},
+             functools.partial(par.fsdp, reshard_after_forward=2)),
+        case("mesh: HSDP 2 x 2", "mlp", {"dp_replicate": 2, "dp_shard": 2}, par.fsdp),
+        case("mesh: FSDP2 x2", "gpt", {"dp_shard": 2}, par.fsdp),
+        case("mesh: FSDP2 x2 bf16 params, fp32 reduce", "gpt", {"dp_shard": 2}, functools.partial(par.fsdp, **bf16)),
+        case("mesh: TP 2", "llama", {"tp": 2}, par.llama_tp),
+        case("mesh: TP 2 + SP", "llama", {"tp": 2}, functools.partial(par.llama_tp, sequence_parallel=True)),
+        case("mesh: TP 4 + SP", "llama-8h", {"tp": 4}, functools.partial(par.llama_tp, sequence_parallel=True)),
+        case("mesh: TP 2 + SP + loss_parallel (own step)", "llama", {"tp": 2},
+             functools.partial(par.llama_tp, sequence_parallel=True, loss_parallel=True),
+             user_step=par.loss_parallel_step),
+        case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
+        case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
+             functools.partial(par.llama_fsdp_tp, **bf16)),
+        case("mesh: FSDP 2 x TP 2 + SP + op-level SAC", "llama", {"dp_shard": 2, "tp": 2},
+             functools.partial(par.llama_fsdp_tp, op_sac=True)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -150,9 +195,11 @@ def run_case(case: Case) -> list[Row]:
         model = _InputOnly(model)
     start = time.perf_counter()
     # at the thread count of the run it is compared with (the distributed ranks run one thread each)
+    user_step = case.options.get("user_step")  # the job's own step (a mesh's): it computes its loss itself
+    step = {"step": user_step} if user_step else {"loss_fn": loss_fn}
     with cpu.threads(RANK_THREADS if case.harness else torch.get_num_threads()):
-        rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, loss_fn=loss_fn, strategy=case.strategy,
-                               device="cpu")
+        rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, strategy=case.strategy, device="cpu",
+                               **step)
     seconds = time.perf_counter() - start
     if case.harness is None:
         model, sample_fn, loss_fn = build()

@@ -33,6 +33,14 @@ class Page:
     matrix: tuple[str, ...]  # validation-matrix case names containing one of these
 
 
+def _fsdp(**options):
+    import functools
+
+    from models_zoo import parallelize
+
+    return functools.partial(parallelize.fsdp, **options) if options else parallelize.fsdp
+
+
 def _block():
     from models_zoo.gpt import Block
 
@@ -142,6 +150,28 @@ def pages() -> list[Page]:
                                                                                        schedule="gpipe"),
              "pipeline x4 1F1B, 8 micro-batches": Strategy(pipeline=4, microbatches=8)},
             ("pipeline", "GPipe", "1F1B"),
+        ),
+        Page(
+            "mesh", "Your parallel code on a device mesh (FSDP2, HSDP, tensor and sequence parallelism)",
+            "The job's own parallelize function, `fn(model, mesh)`, runs in the capture of each rank as the "
+            "job runs it: on a fake process group of the mesh's size (no processes, any size), with a "
+            "`DeviceMesh` of the job's dim names (`estimator/capture/world.py`). `fully_shard` (with "
+            "`MixedPrecisionPolicy`, `reshard_after_forward` True / False / an int, HSDP on a 2-D mesh), "
+            "`parallelize_module` (colwise, rowwise, sequence parallel, `PrepareModuleInput`) and selective "
+            "checkpointing policies run as written; each rank's DTensor shards, FSDP2's all-gather and "
+            "reduce-scatter buffers and unsharded copies are recorded as they are allocated, and gloo's "
+            "buffers around each collective are added on the CPU target. Ranks whose shards have the same "
+            "shapes run the same program: one capture each. Example functions: `models_zoo/parallelize.py`.",
+            "```python\nfrom models_zoo import parallelize\n"
+            "estimator.report(model, sample, strategy=estimator.Strategy(mesh={\"dp_shard\": 8},\n"
+            "                                                            parallelize=parallelize.fsdp))\n```\n"
+            "`fxmem report gpt --mesh dp_shard=8 --parallelize models_zoo.parallelize:fsdp`",
+            {"one device": Strategy(), "FSDP2 x8 (run as written)": Strategy(mesh={"dp_shard": 8},
+                                                                             parallelize=_fsdp()),
+             "HSDP 2 x 4": Strategy(mesh={"dp_replicate": 2, "dp_shard": 4}, parallelize=_fsdp()),
+             "FSDP2 x8, reshard_after_forward=False": Strategy(mesh={"dp_shard": 8},
+                                                                parallelize=_fsdp(reshard_after_forward=False))},
+            ("mesh:",),
         ),
     ]
 

@@ -23,7 +23,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten
 
 from estimator import corrections
-from estimator.capture import generation, steps
+from estimator.capture import generation, steps, world
 from estimator.capture.fake import deep_copies_in_mode
 from estimator.capture.records import Decoding, RunMarks, StepSpec
 from estimator.capture.symbols import hint
@@ -280,7 +280,9 @@ def on_phase(tracker: Tracker, model: nn.Module):
 def label_storages(tracker: Tracker, model: nn.Module, optimizers, phase_ended: Phase) -> None:
     """Name what a phase leaves behind: forward allocations still alive when it ends are
     activations (saved for backward, and the outputs); grads alive after backward are
-    gradients; tensors in the optimizers' state are optimizer state."""
+    gradients; tensors in the optimizers' state are optimizer state; parameters made during the
+    step are parameters (FSDP2 pads an uneven shard into a new tensor at every root forward,
+    ``FSDPParam.reset_sharded_param``)."""
     if phase_ended is Phase.FORWARD:
         for key in tracker.alive_keys():
             storage = tracker.storages[key]
@@ -299,6 +301,8 @@ def label_storages(tracker: Tracker, model: nn.Module, optimizers, phase_ended: 
             for t in tree_flatten(state)[0]:
                 if isinstance(t, torch.Tensor):
                     _relabel(tracker, t, Category.OPTIMIZER_STATE)
+    for p in model.parameters():
+        _relabel(tracker, p, Category.PARAMETER)
 
 
 def drop_state_without_grad(tracker: Tracker, optimizers: list, constructed: set[int]) -> None:
@@ -320,7 +324,7 @@ def drop_state_without_grad(tracker: Tracker, optimizers: list, constructed: set
 
 
 def _relabel(tracker: Tracker, t: torch.Tensor, category: Category) -> None:
-    key = tracker.key_of(t)
+    key = tracker.key_of(world.local(t))
     if key is not None and tracker.storages[key].op >= 0:
         tracker.storages[key].category = category
 
@@ -333,7 +337,7 @@ def name_owners(tracker: Tracker, model: nn.Module, optimizers: list) -> None:
     for name, p in model.named_parameters():
         states = [optimizer.state.get(p, {}) for optimizer in optimizers]
         for t in [p, *(v for state in states for v in state.values() if isinstance(v, torch.Tensor))]:
-            _own(tracker, t, name)
+            _own(tracker, world.local(t), name)
 
 
 def _own(tracker: Tracker, t: torch.Tensor, name: str) -> None:

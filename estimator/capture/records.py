@@ -40,6 +40,7 @@ class StepSpec:
     keep_output: bool = True  # the built-in train step keeps the model's output alive through backward
     step: steps.StepFn | None = None  # the user's own step (then `optimizer` is a StateFactory: model -> state)
     compiled: compiled.Compiled | None = None  # the model is torch.compile'd so (None: eager)
+    rank: int = 0  # Strategy(mesh=): the rank whose step is captured (``capture.world``)
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,5 @@ class RawCapture:
     # values fake tensors cannot know came from the sample's values (shadows) or a real run (the probe): the
     # capture follows the values of the sample (and, probed, of the weights), not only their shapes
     reads_values: bool = False
+    # Strategy(mesh=): the ranks grouped by the program they run, in rank order (``world.roles``)
+    roles: tuple[tuple[int, ...], ...] = ()

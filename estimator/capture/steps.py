@@ -634,11 +634,13 @@ def state_tensors(
 def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """``t`` by name, or, for a tensor subclass that wraps others (torchao's quantized optimizer
     states: ``codes``, ``scale``; an NF4 weight), the tensors that hold its memory, named
-    ``name.attr``.  A DTensor stays whole: the ranks' code reads its local shard itself.  A
+    ``name.attr``.  A DTensor is its local shard, under its own name.  A
     parameter of a ``Parameter`` subclass comes with the tensors its Python attributes hold
     (bitsandbytes' ``Params4bit``: the ``quant_state``'s block scales and code), named
     ``name.attr...``: memory of the weight."""
-    if not is_traceable_wrapper_subclass(t) or type(t).__name__ == "DTensor":
+    if type(t).__name__ == "DTensor":
+        return _plain(name, t._local_tensor)
+    if not is_traceable_wrapper_subclass(t):
         return {name: t, **parameter_attribute_tensors(name, t)}
     found = {}
     for attr in t.__tensor_flatten__()[0]:

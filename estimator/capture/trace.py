@@ -41,6 +41,7 @@ from estimator.capture import (
     steps,
     symbols,
     tracing,
+    world,
 )
 from estimator.capture.checkpointing import checkpointing
 from estimator.capture.fake import (
@@ -245,6 +246,16 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
 
 def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
              seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+    """``_capture_on``; with ``Strategy(mesh=)``, as rank ``spec.rank`` of a fake process group
+    (``world.joined``), the model parallelized by the job's own function first."""
+    if spec.strategy.mesh is None:
+        return _capture_on(model, sample, spec, batch, symbolic, seq_dims)
+    with world.joined(spec.strategy.mesh, spec.rank) as device_mesh:
+        return _capture_on(model, sample, spec, batch, symbolic, seq_dims, device_mesh)
+
+
+def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+                seq_dims: dict[int, tuple[int, ...]] | None = None, device_mesh=None) -> RawCapture:
     """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``).
 
     ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
@@ -273,6 +284,11 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     fmodel = fake_model(model, mode, memo)
     repeated_blocks.map_originals(model, memo)  # a shallow copy's: the user's modules it stands for
     corrections.apply_model_rules(spec.target, fmodel)
+    roles = ()
+    if device_mesh is not None:  # outside the fake mode: ops on the fake model are fake, the mesh's own stay real
+        world.parallelize(spec.strategy.parallelize, fmodel, device_mesh)
+        libraries.load_imported()  # FSDP2's ops, where the function imported it
+        roles = world.roles(fmodel, spec.strategy.mesh)
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)
@@ -307,6 +323,8 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
             warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
         run_step, optimizers = warm.run_step, warm.optimizers
         managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
+        if device_mesh is not None and not spec.target.is_cuda:  # a job's state too, in host memory
+            tracker.register({"device mesh": world.rank_map(device_mesh)}, Category.COMMUNICATION)
         phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers) | set(managed))
         phases.mark_births(tracker, fmodel, warm.state, warm.lazy)
         state_names = {key: name for category, tensors in warm.state.items() if category is not Category.INPUT
@@ -364,12 +382,13 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
                           notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
-                          managed=sum(managed.values()), state_names=state_names, reads_values=dd.read_values)
+                          managed=sum(managed.values()), state_names=state_names, reads_values=dd.read_values,
+                          roles=roles)
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
                                   decoded.get("guard_marks", ()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
-    raw.state_names, raw.reads_values = state_names, dd.read_values
+    raw.state_names, raw.reads_values, raw.roles = state_names, dd.read_values, roles
     return raw
 
 

@@ -10,6 +10,7 @@ by category is ``estimator.account``'s job.
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode, is_traceable_wrapper_subclass
 
 from estimator import corrections
+from estimator.corrections import patches
 from estimator.capture import compiled
 from estimator.capture.grad_sums import GradSums
 from estimator.capture.graph import GraphRecorder
@@ -62,6 +64,9 @@ class OpEvent:
     reads: tuple[int | None, ...] = ()
 
 
+RESIZE = "storage.resize_"  # the op of a storage's ``resize_()`` (``Tracker.resized``)
+
+
 def _storage_id(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
@@ -101,6 +106,17 @@ def _wrapper_subclass(args, kwargs) -> type | None:
     return None
 
 
+def _has_dtensor(args, kwargs) -> bool:
+    """Whether an argument is a DTensor (cheap where torch.distributed's tensor was never imported)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(a, dtensor) for a in _leaves([*args, *kwargs.values()]))
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def _inner(t: torch.Tensor) -> list[torch.Tensor]:
     """``t``, or the tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
     if isinstance(t, FakeTensor) or not is_traceable_wrapper_subclass(t):
@@ -138,17 +154,63 @@ class Tracker(TorchDispatchMode):
         self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
         self.sums = GradSums(self)
         self.bar = progress.SILENT  # the ops recorded, for a progress bar (``vocab.progress``)
+        self._paused = 0  # > 0 while DTensor computes output metadata (``_hooks``): nothing is recorded
 
     def __enter__(self):
         self._engine = self.sums.engine()
         self._engine.__enter__()
+        self._patches = patches.patched_all(self._hooks())
+        self._patches.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._patches.__exit__(None, None, None)
             self._engine.__exit__(None, None, None)
+
+    def _hooks(self):
+        """What the tracker hooks besides the ops: storages resized in place (``resized``), and
+        DTensor's sharding propagation, which runs each op it has not seen on fake tensors of
+        the global shapes to learn the output's (``_sharding_prop.py``
+        ``_propagate_tensor_meta_non_cached``): a real run does that on fake tensors too, and
+        allocates nothing, so it is not recorded."""
+        resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, nbytes):
+            out = resize(storage, nbytes)
+            self.resized(storage)
+            return out
+
+        yield torch.UntypedStorage, "resize_", resize_
+        sharding = sys.modules.get("torch.distributed.tensor._sharding_prop")
+        if sharding is not None:
+            propagate = sharding.ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def unrecorded(*args, **kwargs):
+                self._paused += 1
+                try:
+                    return propagate(*args, **kwargs)
+                finally:
+                    self._paused -= 1
+
+            yield sharding.ShardingPropagator, "_propagate_tensor_meta_non_cached", unrecorded
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage.resize_()`` between ops (FSDP2 frees an unsharded parameter's memory with
+        ``resize_(0)`` and allocates it again with ``resize_(n)``, ``_fsdp_param.py``
+        ``free_storage`` / ``alloc_storage``): its old bytes are freed where it shrinks; its new
+        bytes are a storage of their own, allocated by an op of its own, ``RESIZE``."""
+        entry = self._alive.pop(_storage_id(storage), None)
+        if entry is not None:
+            self._pending_frees.append(entry[0])
+        if not storage.nbytes():
+            return
+        self.flush()
+        self.ops.append(event := OpEvent(RESIZE, "", self.phase, self._current_module()))
+        category = Category.TEMPORARY if entry is None else self.storages[entry[0]].category
+        event.allocs.append(self._track(storage, category, len(self.ops) - 1))
 
     # -- state alive before the step -------------------------------------------------
     def register(self, tensors: dict[str, torch.Tensor], category: Category) -> None:
@@ -296,6 +358,12 @@ class Tracker(TorchDispatchMode):
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        if _has_dtensor(args, kwargs):
+            # DTensor's own dispatch (C++, ``dispatchDTensorOp``) runs the op's local ops and
+            # collectives with this mode still pushed: each is recorded as any op of the step
+            return NotImplemented
         kernel = corrections.fake_kernel_for(self.target, func)
         subclass = None if kernel is not None else _wrapper_subclass(args, kwargs)
         if subclass is not None:

@@ -70,6 +70,8 @@ class Options:
     master_weights: bool
     step: str | None
     compile_mode: str | None
+    mesh: str | None
+    parallelize: str | None
     keep_output: bool | None
     generate: int | None
     cache: str | None
@@ -170,6 +172,12 @@ STRATEGY_OPTIONS = [
                  help="pipeline schedule."),
     click.option("--master-weights", is_flag=True,
                  help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
+    click.option("--mesh", metavar="DIM=N,...",
+                 help="the job's device mesh, outermost dim first (dp_shard=4,tp=2: 8 ranks), with --parallelize: "
+                      "each rank's step as your parallelize function makes it."),
+    click.option("--parallelize", metavar="FILE.py:FUNC",
+                 help="your parallelize function, FUNC(model, mesh) (fully_shard, parallelize_module, ...), run on "
+                      "a fake process group of --mesh's size; also package.module:FUNC."),
     click.option("--compile", "compile_mode", is_flag=False, flag_value="default", metavar="[MODE]",
                  type=click.Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
                  help="the model torch.compile'd (Inductor), optionally with a mode: the compiled program's "
@@ -193,13 +201,30 @@ def strategy(opts: Options, model):
         sharding=None if opts.zero is None else f"zero{opts.zero}", pipeline=opts.pipeline,
         microbatches=opts.microbatches, schedule=opts.schedule, master_weights=opts.master_weights,
         compile=True if opts.compile_mode == "default" else opts.compile_mode or False,
+        mesh=parse_mesh(opts.mesh), parallelize=user_function(opts.parallelize, "--parallelize",
+                                                             "a function parallelize(model, mesh)"),
     )
+
+
+def parse_mesh(text: str | None) -> dict[str, int] | None:
+    """``--mesh dp_shard=4,tp=2`` -> ``{"dp_shard": 4, "tp": 2}``."""
+    if text is None:
+        return None
+    from estimator.vocab.errors import InputError
+
+    mesh = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, size = item.partition("=")
+        if not sep or not name.strip() or not size.strip().isdigit():
+            raise InputError(f"--mesh {text!r}: expected DIM=N items, e.g. dp_shard=4,tp=2; got {item!r}")
+        mesh[name.strip()] = int(size)
+    return mesh
 
 
 def options(kwargs) -> Options:
     defaults = {"accumulate": 1, "checkpoint": None, "data_parallel": 1, "zero": None, "pipeline": 1,
                 "microbatches": None, "schedule": "1f1b", "master_weights": False, "compile_mode": None, "keep_output": None,
-                "generate": None, "cache": None}
+                "generate": None, "cache": None, "mesh": None, "parallelize": None}
     opts = Options(**{k: kwargs.pop(k, defaults.get(k)) for k in list(Options.__dataclass_fields__)})
     from estimator.vocab.errors import InputError
 

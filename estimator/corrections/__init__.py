@@ -13,9 +13,11 @@ from estimator.corrections import composite, shapes  # noqa: F401  (registers th
 from estimator.corrections import grouped_mm, masks  # noqa: F401
 from estimator.corrections import fastpath  # noqa: F401  (native MHA / encoder fast paths)
 from estimator.corrections import clip  # noqa: F401  (clip_grad_* take the foreach branch of real tensors)
+from estimator.corrections import collectives  # noqa: F401  (functional collectives' wait returns its tensor)
 from estimator.corrections import complex  # noqa: F401  (abs of a complex tensor: a complex temporary)
 from estimator.corrections import packed  # noqa: F401  (pack_padded_sequence and the packed RNNs)
 from estimator.corrections.cpu import attention as cpu_attention  # noqa: F401
+from estimator.corrections.cpu import collectives as gloo  # noqa: F401  (gloo's buffers)
 from estimator.corrections.cpu import conv, loss, matmul, norm, reduce, resample, rnn  # noqa: F401
 from estimator.corrections.cpu import foreach as cpu_foreach  # noqa: F401  (a wrapped number per tensor)
 from estimator.corrections.cuda import attention_substitute, attention_workspaces  # noqa: F401  (SDPA)

@@ -52,11 +52,16 @@ class Checked:
     @property
     def capture_spec(self) -> StepSpec:
         """What the capture runs: the step of one device at the batch ``b // microbatches`` (a
-        pipeline's micro-batch; the per-device strategies apply to the captured step)."""
+        pipeline's micro-batch; the per-device strategies apply to the captured step); with a
+        mesh, rank ``spec.rank``'s step of the job's own parallel code."""
         s = self.spec.strategy
         single = Strategy(accumulate=s.accumulate, checkpoint=s.checkpoint, checkpoint_reentrant=s.checkpoint_reentrant,
-                          master_weights=s.master_weights)
+                          master_weights=s.master_weights, mesh=s.mesh, parallelize=s.parallelize)
         return dataclasses.replace(self.spec, strategy=single)
+
+    def at_rank(self, rank: int) -> Checked:
+        """The same request, rank ``rank``'s step captured (``Strategy(mesh=)``)."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, rank=rank))
 
     @property
     def microbatches(self) -> int:
@@ -153,7 +158,8 @@ def _check_user_step(user_step, loss_fn, amp, grad_scaler, strategy, keep_output
     # its k micro-batches' rows and splits them itself (steps.micro_batches); the capture's symbol
     # is the micro-batch, so the formulas stay polynomial in b.
     if strategy is not None and isinstance(strategy, Strategy) and (
-            dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False, accumulate=1) != DEFAULT):
+            dataclasses.replace(strategy, checkpoint=None, checkpoint_reentrant=False, accumulate=1, mesh=None,
+                                parallelize=None) != DEFAULT):
         raise InputError(f"strategy={strategy.describe()!r} transforms the built-in step (precision, data, sharding "
                          "and pipeline parallelism) and cannot combine with step=; with your own step, "
                          "Strategy(checkpoint=...) applies (it wraps modules) and Strategy(accumulate=k) (your step "
@@ -277,7 +283,8 @@ def _strategy(strategy: Strategy | None, mode: Mode, model: nn.Module, batch: in
         return DEFAULT
     if not isinstance(strategy, Strategy):
         raise InputError(f"strategy must be an estimator.vocab.strategy.Strategy, got {type(strategy).__name__}")
-    if mode is not Mode.TRAIN and dataclasses.replace(strategy, amp=None, grad_scaler=None) != DEFAULT:
+    if mode is not Mode.TRAIN and dataclasses.replace(strategy, amp=None, grad_scaler=None, mesh=None,
+                                                      parallelize=None) != DEFAULT:
         raise InputError(f"strategy={strategy.describe()!r}: strategies apply to mode='train' only")
     if strategy.pipeline > 1 and (strategy.split_points is not None or len(blocks(model)) < strategy.pipeline):
         from estimator.ranks import pipeline

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline
-from estimator.capture import steps
+from estimator.capture import steps, world
 from estimator.devices import cuda, cudnn
 from estimator.orchestrate import dtype_formula, reuse
 from estimator.orchestrate import path as capture_path
@@ -42,14 +42,14 @@ def estimate(request: Request) -> Report:
     if not isinstance(request.dtype_symbols, bool):
         raise InputError(f"dtype_symbols must be True or False, got {request.dtype_symbols!r}")
     if not request.dtype_symbols:
-        return _with_sample_sizes(checked, result(checked, capture_step(checked)))
+        return _with_sample_sizes(checked, _report(checked))
     dtype_formula.check(checked)
     formula = capture_formula(checked)
 
     def cast(model: nn.Module, sample, strategy: Strategy) -> Checked:  # the same arguments for a cast copy
         return check(request.replace(model=model, sample=sample, strategy=strategy))
 
-    return dataclasses.replace(result(checked, capture_step(checked, formula)),
+    return dataclasses.replace(_report(checked, formula),
                                dtype_formula=dtype_formula.build(checked, formula, cast, capture_formula))
 
 
@@ -62,14 +62,22 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
     out = {}
     with progress.task("steps of the comparison", total=len(checks), unit="step") as bar:
         for label, checked in checks.items():
-            out[label] = result(checked, capture_step(checked))
+            out[label] = _report(checked)
             bar.update()
     return out
 
 
+def _report(checked: Checked, formula: Formula | None = None) -> Report:
+    """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
+    captured = capture_step(checked, formula)
+    return result(checked, captured, {ranks: capture_step(checked.at_rank(ranks[0]))
+                                      for ranks in captured.roles if checked.spec.rank not in ranks})
+
+
 @collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it
-def result(checked: Checked, captured: Captured) -> Report:
-    """The report of the request ``checked`` from its captured step: one device's, or every rank's."""
+def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...], Captured] | None = None) -> Report:
+    """The report of the request ``checked`` from its captured step: one device's, or every
+    rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks)."""
     spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch
     notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
@@ -80,6 +88,8 @@ def result(checked: Checked, captured: Captured) -> Report:
                                          captured.seq, per_device=not strategy.distributed)]
     if strategy.multiple > 1:
         notes.append(_batch_note(strategy))
+    if strategy.mesh is not None:
+        notes.extend(world.notes(strategy.mesh, spec.target.is_cuda))
     if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
         notes.extend(_kept_output_note(captured.at_batch, batch))
     common = {
@@ -113,12 +123,19 @@ def result(checked: Checked, captured: Captured) -> Report:
     def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
         return poly(batch, captured.seq) if poly.has_s else poly(batch)
 
-    ranks = per_rank(captured.timeline, model, strategy, spec.target, at)
-    at_batch = per_rank(captured.at_batch, model, strategy, spec.target, at) if captured.separate else ranks
-    per = tuple(
-        RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, captured, {**common, "notes": ()}))
-        for r, a in zip(ranks, at_batch)
-    )
+    if strategy.mesh is not None:  # each role's step captured as its rank runs it
+        steps_of = {ranks: roles[ranks] if ranks in (roles or {}) else captured
+                    for ranks in captured.roles or (tuple(range(strategy.devices)),)}
+        per = tuple(RankReport(world.role_name(strategy.mesh, ranks), ranks,
+                               _assemble(model, own.timeline, own.at_batch, own, {**common, "notes": ()}))
+                    for ranks, own in steps_of.items())
+    else:
+        ranks = per_rank(captured.timeline, model, strategy, spec.target, at)
+        at_batch = per_rank(captured.at_batch, model, strategy, spec.target, at) if captured.separate else ranks
+        per = tuple(
+            RankReport(r.role, r.ranks, _assemble(model, r.timeline, a.timeline, captured, {**common, "notes": ()}))
+            for r, a in zip(ranks, at_batch)
+        )
     worst = max(per, key=lambda r: (r.report.peak_bytes if r.report.cuda is None else r.report.cuda.device))
     pieces = [p for r in per for p in r.report.pieces]
     keep = nondominated([p.bytes for p in pieces], captured.valid_from, captured.valid_to, captured.seq_range_lo)
@@ -140,7 +157,7 @@ def _with_sample_sizes(checked: Checked, rep: Report) -> Report:
     sampled = dataclasses.replace(checked, spec=dataclasses.replace(checked.spec,
                                                                     data_dependent=Policy.of("sample")))
     try:
-        at_sample = result(sampled, capture_step(sampled))
+        at_sample = _report(sampled)
     except FxmemError as exc:
         why = f"the data-dependent sizes at the sample's values could not be had: {exc}"
         return dataclasses.replace(rep, notes=(*rep.notes, why))

@@ -48,6 +48,7 @@ class Formula:
     data_dependent: tuple[Site, ...] = ()  # the data-dependent sizes used (in b; concrete: at the hint)
     own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
     reads_values: bool = True  # it follows the values of the sample or weights (``RawCapture.reads_values``)
+    roles: tuple[tuple[int, ...], ...] = ()  # Strategy(mesh=): the ranks grouped by their program (``RawCapture``)
 
     @property
     def seq_range_lo(self) -> int:
@@ -97,13 +98,13 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         if raw.rounded:
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
-        sites, reads_values = raw.data_dependent, raw.reads_values
+        sites, reads_values, roles = raw.data_dependent, raw.reads_values, raw.roles
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         path, guards, valid_from = CapturePath.CONCRETE, (), 2
         reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
-            timeline, graph, valid_to, note, host_notes, sites = _concrete(model, sample, spec, hint, exc)
+            timeline, graph, valid_to, note, host_notes, sites, roles = _concrete(model, sample, spec, hint, exc)
         except CaptureError as differs:
             if spec.compiled is None and not isinstance(differs, _ProgramDiffers):
                 raise
@@ -111,6 +112,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             # the capture at this size is exact, and holds for it alone
             raw = capture(model, sample, spec, hint, symbolic=False)
             timeline, graph, valid_from, valid_to, sites = account(raw), raw.graph, hint, hint, raw.data_dependent
+            roles = raw.roles
             why = ("the compiler's choices follow the sizes" if spec.compiled is not None else
                    "the model's Python depends on the batch size, e.g. a loop over its rows")
             note = (f"symbolic capture failed ({exc}) and the programs at b = {hint} and {hint + 1} run different "
@@ -128,7 +130,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path, notes)
         notes.extend(compiled_notes)
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
-                   reads_values)
+                   reads_values, roles)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
@@ -189,8 +191,8 @@ def _annotate(graph, timeline: Timeline) -> None:
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     """Fit concrete captures; returns the timeline, the graph, the last valid b, a note, and the
-    notes (host-measured kernels, data-dependent sizes) and data-dependent sizes of the first
-    capture.
+    notes (host-measured kernels, data-dependent sizes), data-dependent sizes and rank roles of
+    the first capture.
 
     The captures are at ``hint``, ``hint + k`` and ``4 * hint`` (``k``: the accumulated
     micro-batches, whose number must divide every captured batch; far apart, so that memory
@@ -213,7 +215,8 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     timelines = [account(r) for r in raws]
     note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {next_}, {far}"
     try:
-        return fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
+        return (fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes,
+                raws[0].data_dependent, raws[0].roles)
     except NotPolynomial:
         fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
         deviation = max(
@@ -224,7 +227,7 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
             f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
             "other captures, and elsewhere by up to a page per rounded buffer"
         )
-        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent, raws[0].roles
 
 
 def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath,

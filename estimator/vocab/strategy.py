@@ -16,7 +16,9 @@ Single process:
   Their forward runs inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=
   checkpoint_reentrant)`` and is recomputed in backward.
 
-Several devices (``estimator.ranks.per_rank`` turns the captured step into each rank's):
+Several devices, as the job runs them: ``mesh`` and ``parallelize`` (the user's own
+parallelize function, run in the capture of each rank: ``estimator.capture.world``).  Or as
+fxmem models them (``estimator.ranks.per_rank`` turns the captured step into each rank's):
 ``data_parallel`` replicas (DDP) or shards (``sharding`` ZeRO 1/2/3), ``pipeline`` stages.
 """
 
@@ -26,7 +28,10 @@ import dataclasses
 import difflib
 import enum
 import fnmatch
+import functools
+import math
 import numbers
+from collections.abc import Callable, Mapping
 
 from torch import nn
 
@@ -82,6 +87,11 @@ class Strategy:
     the batch ``b`` into ``microbatches`` (default: ``pipeline``) run by ``schedule``.
 
     ``compile``: the model ``torch.compile``d (True, or a mode name), as ``report(compile=)``.
+
+    A job's own parallelism: ``mesh`` the device mesh, ``{dim name: size}`` outermost first
+    (``{"dp_shard": 4, "tp": 2}``: 8 ranks), and ``parallelize`` the function the job applies to
+    its model, ``fn(model, mesh)`` with a ``DeviceMesh`` of those dims (``fully_shard``,
+    ``parallelize_module``, ...), changing the model in place.  ``b`` is then each rank's batch.
     """
 
     accumulate: int = 1
@@ -100,6 +110,8 @@ class Strategy:
     schedule: Schedule | str = Schedule.ONE_F_ONE_B
     split_points: tuple[str, ...] | None = None
     compile: bool | str = False
+    mesh: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None
+    parallelize: Callable | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
@@ -120,6 +132,7 @@ class Strategy:
                 raise InputError(f"Strategy({name}=) must be True or False, got {getattr(self, name)!r}")
         _enum(self, "sharding", Sharding, optional=True)
         _enum(self, "schedule", Schedule)
+        self._check_mesh()
         cap = self.bucket_cap_mb
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
             raise InputError(f"Strategy(bucket_cap_mb=) must be a positive number of MiB, got {cap!r}")
@@ -157,14 +170,53 @@ class Strategy:
         if self.microbatches is None:
             object.__setattr__(self, "microbatches", self.pipeline)
 
+    def _check_mesh(self) -> None:
+        """``mesh`` as ``(name, size)`` pairs (hashable), named dims of positive sizes, with a
+        ``parallelize`` function, and none of fxmem's own models of the same thing."""
+        if self.mesh is None:
+            if self.parallelize is not None:
+                raise InputError("Strategy(parallelize=) needs the mesh it is run on: give mesh={dim name: size}")
+            return
+        items = tuple(self.mesh.items()) if isinstance(self.mesh, Mapping) else self.mesh
+        if (not isinstance(items, tuple) or not items or
+                not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and i[0] for i in items)):
+            raise InputError(f"Strategy(mesh=) must be a dict {{dim name: size}}, e.g. {{'dp_shard': 4, 'tp': 2}}, "
+                             f"got {self.mesh!r}")
+        for name, size in items:
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise InputError(f"Strategy(mesh=): dim {name!r} must have a positive int size, got {size!r}")
+        if len({name for name, _ in items}) != len(items):
+            raise InputError(f"Strategy(mesh=) names a dim twice: {[name for name, _ in items]}")
+        object.__setattr__(self, "mesh", tuple((name, int(size)) for name, size in items))
+        if not callable(self.parallelize):
+            raise InputError("Strategy(mesh=) runs the job's own parallelize function on each rank: give "
+                             f"parallelize=fn (fn(model, mesh)), got {self.parallelize!r}")
+        modelled = [name for name in ("data_parallel", "pipeline") if getattr(self, name) > 1]
+        modelled += [name for name in ("sharding", "shard_modules", "split_points") if getattr(self, name) is not None]
+        modelled += ["master_weights"] * self.master_weights + ["compile"] * bool(self.compile)
+        if modelled:
+            raise InputError(f"Strategy(mesh=, parallelize=) runs your own parallel code; {', '.join(modelled)} "
+                             "describe(s) fxmem's models of it (or, for compile and master_weights, is not "
+                             "combined with a mesh yet): give one or the other")
+
     @property
     def distributed(self) -> bool:
         """Whether the step runs on more than one device (per-rank results)."""
-        return self.data_parallel > 1 or self.pipeline > 1
+        return self.data_parallel > 1 or self.pipeline > 1 or self.mesh is not None
 
     @property
     def devices(self) -> int:
+        if self.mesh is not None:
+            return math.prod(size for _, size in self.mesh)
         return self.data_parallel * self.pipeline
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel degree: ranks that each run ``b`` samples of their own.  On a mesh,
+        the dims named ``dp*`` (torchtitan's ``dp_replicate`` / ``dp_shard``)."""
+        if self.mesh is not None:
+            return math.prod(size for name, size in self.mesh if name.startswith("dp"))
+        return self.data_parallel
 
     @property
     def multiple(self) -> int:
@@ -183,7 +235,10 @@ class Strategy:
     def describe(self) -> str:
         """A short label: ``"DDP x4 + checkpoint(Block) + accumulate 2"``."""
         parts = []
-        if self.pipeline > 1:
+        if self.mesh is not None:
+            dims = ", ".join(f"{name}={size}" for name, size in self.mesh)
+            parts.append(f"mesh {dims} ({function_name(self.parallelize)})")
+        elif self.pipeline > 1:
             name = "GPipe" if self.schedule is Schedule.GPIPE else "1F1B"
             parts.append(f"pipeline x{self.pipeline} ({name}, {self.microbatches} micro-batches)")
         elif self.sharding is not None:
@@ -207,6 +262,13 @@ class Strategy:
         """The ``(path, module)`` pairs selected by ``checkpoint`` (outermost only: a selected
         module inside another selected one is recomputed with it)."""
         return select(model, self.checkpoint, "checkpoint")
+
+
+def function_name(fn: Callable) -> str:
+    """A function's name for messages: a ``functools.partial``'s function's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _positive_int(strategy: Strategy, name: str) -> None:

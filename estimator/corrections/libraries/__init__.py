@@ -16,6 +16,7 @@ import sys
 # library (its top-level module) -> fxmem's module of entries for its ops
 LIBRARIES = {
     "bitsandbytes": "estimator.corrections.libraries.bitsandbytes",
+    "torch.distributed.fsdp": "estimator.corrections.libraries.fsdp",
 }
 
 

@@ -1,0 +1,159 @@
+"""A job's ranks without processes: the user's parallelize function on a fake process group.
+
+``Strategy(mesh={"dp_shard": 4, "tp": 2}, parallelize=fn)``: the capture of rank ``r`` joins a
+fake process group of the mesh's world size as ``r`` (``torch.distributed``'s ``"fake"``
+backend: collectives return at once and write nothing, whatever the world size), builds the
+``DeviceMesh`` the job builds (``init_device_mesh``, with the user's dim names), and calls
+``fn(model, mesh)`` on the fake copy of the model before its state is made.  The step then runs
+as written: DTensor ops dispatch to their local shards, FSDP2 all-gathers and reduce-scatters,
+and the capture records what each rank allocates (the collectives' outputs are the caller's
+tensors; what a backend allocates besides is a correction per op, e.g.
+``corrections/cpu/collectives.py`` for gloo).
+
+Ranks whose parameters and buffers have the same local shapes run the same program (FSDP2's
+shards of a dim that does not divide evenly are smaller on the last ranks; so are tensor
+parallelism's): ``roles`` groups them, and one rank of each group is captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from estimator.vocab.errors import CaptureError, InputError
+from estimator.vocab.strategy import function_name
+
+
+@contextlib.contextmanager
+def joined(mesh: tuple[tuple[str, int], ...], rank: int) -> Iterator:
+    """This process as rank ``rank`` of a fake process group of the mesh's size; yields the
+    ``DeviceMesh`` (``mesh``: ``(dim name, size)`` pairs, outermost first).  Its device is the
+    CPU, where the capture's fake tensors live on either target (the CUDA target follows CUDA's
+    kernels on them, not its streams)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise InputError("a torch.distributed process group is already initialized in this process: fxmem's capture "
+                         "of Strategy(mesh=) runs your parallelize function on a fake process group of its own; "
+                         "estimate before init_process_group(), or in a process of its own")
+    world = math.prod(size for _, size in mesh)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", tuple(size for _, size in mesh),
+                               mesh_dim_names=tuple(name for name, _ in mesh))
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans.  They are keyed by
+    specs that compare meshes by value, so the next capture's equal mesh would get back specs
+    holding this one's (found: a second FSDP x TP capture in one process counted the first
+    one's rank map too, +16 B)."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    for clear in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+                  getattr(redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
+
+
+def notes(mesh: tuple[tuple[str, int], ...], cuda: bool) -> tuple[str, ...]:
+    """What a mesh's capture leaves out, for the report's notes."""
+    world = math.prod(size for _, size in mesh)
+    common = (f"each rank's step is your parallelize function's, captured on a fake process group of {world} ranks "
+              "(one capture per group of ranks whose shards have the same shapes)")
+    if not cuda:
+        return (common + "; gloo's buffers around each collective are counted (ProcessGroupGloo.cpp), memory gloo "
+                "allocates outside PyTorch's CPU allocator is not",)
+    return (common + "; on the CUDA target the collectives are counted as the step's tensors only: NCCL's own "
+            "buffers (outside the caching allocator, per communicator: NCCL_BUFFSIZE, 4 MiB by default, per channel "
+            "and peer; nvidia-smi shows them, max_memory_allocated does not) and the caching allocator's separate "
+            "pools for FSDP2's all-gather and reduce-scatter streams (its reserved memory can be higher) are NOT "
+            "modelled yet: treat the device figure as a lower bound",)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a DTensor's local shard: the tensor that holds a rank's memory."""
+    return t._local_tensor if type(t).__name__ == "DTensor" else t
+
+
+def rank_map(device_mesh) -> torch.Tensor:
+    """The mesh's ranks as a tensor (``init_device_mesh``: ``torch.arange(world, dtype=torch.int)``
+    on the CPU, shared by its sub-meshes): memory of the job on the host."""
+    ranks = getattr(device_mesh, "_rank_map", None)
+    return device_mesh.mesh if ranks is None else ranks
+
+
+def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
+    """``fn(model, device_mesh)`` on the fake copy; what it raises is named as its own."""
+    try:
+        out = fn(model, device_mesh)
+    except Exception as exc:  # noqa: BLE001 (the user's code: any error is theirs, named)
+        raise CaptureError(f"Strategy(parallelize={function_name(fn)}) raised on the fake copy of the model: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    if out is not None and out is not model:
+        raise InputError(f"Strategy(parallelize={function_name(fn)}) returned a new object ({type(out).__name__}); "
+                         "fxmem estimates the model it hands the function, changed in place (as fully_shard and "
+                         "parallelize_module change it): return None or the model")
+
+
+def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
+    """The ranks grouped by the local shapes of the model's DTensor parameters and buffers
+    (``_compute_local_shape_and_global_offset`` at each rank's mesh coordinate), in rank order;
+    one group when the model holds no DTensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    sizes = tuple(size for _, size in mesh)
+    layouts = {(tuple(t.shape), tuple(t.placements))
+               for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
+    groups: dict[tuple, list[int]] = {}
+    for rank, coordinate in enumerate(itertools.product(*(range(n) for n in sizes))):  # row-major, as _coordinate
+        local = tuple(_compute_local_shape_and_global_offset(shape, sizes, list(coordinate), placements,
+                                                             skip_offset=True)[0]
+                      for shape, placements in sorted(layouts, key=repr))
+        groups.setdefault(local, []).append(rank)
+    return tuple(tuple(ranks) for ranks in groups.values())
+
+
+def role_name(mesh: tuple[tuple[str, int], ...], ranks: tuple[int, ...]) -> str:
+    """Where a group of ranks sits on the mesh: ``"dp_shard 0-2 of 4"``, ``"dp_shard 3 of 4, tp 1
+    of 2"`` (dims it spans whole left out), ``"every rank"``; its ranks where they are no block
+    of the mesh."""
+    sizes = [size for _, size in mesh]
+    coordinates = [_coordinate(rank, sizes) for rank in ranks]
+    values = [sorted({c[d] for c in coordinates}) for d in range(len(mesh))]
+    if math.prod(len(v) for v in values) != len(ranks):
+        return f"ranks {_span(list(ranks))}"
+    return ", ".join(f"{name} {_span(v)} of {size}" for (name, size), v in zip(mesh, values)
+                     if len(v) < size) or "every rank"
+
+
+def _coordinate(rank: int, sizes: list[int]) -> tuple[int, ...]:
+    """``rank``'s index along each mesh dim (row-major, as ``init_device_mesh`` lays ranks out)."""
+    out = []
+    for size in reversed(sizes):
+        rank, index = divmod(rank, size)
+        out.append(index)
+    return tuple(reversed(out))
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ", ".join(map(str, values[:8])) + (f" and {len(values) - 8} more" if len(values) > 8 else "")
+
