@@ -107,14 +107,17 @@ def _wrapper_subclass(args, kwargs) -> type | None:
 
 
 def _has_dtensor(args, kwargs) -> bool:
-    """Whether an argument is a DTensor (cheap where torch.distributed's tensor was never imported)."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(a, dtensor) for a in _leaves([*args, *kwargs.values()]))
-
-
-def _dtensor_type() -> type | None:
+    """Whether an argument is a DTensor, or a list of them (a foreach op's: lists hold one kind).
+    It runs for every op: nothing where torch.distributed's tensor was never imported."""
     module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    if module is None:
+        return False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and a:
+            a = a[0]
+        if isinstance(a, module.DTensor):
+            return True
+    return False
 
 
 def _inner(t: torch.Tensor) -> list[torch.Tensor]:
