@@ -250,7 +250,7 @@ def _measured_exactly(rep, build, batch: int, mesh: dict, fn, **options) -> None
 
 
 @pytest.mark.parametrize("case", ["fsdp2 bf16 params, fp32 reduce", "tp 2 + sequence parallel + loss_parallel",
-                                  "fsdp x tp 2 x 2 + op-level SAC"])
+                                  "fsdp x tp 2 x 2 + op-level SAC", "transformers' own tp_plan"])
 def test_matches_real_gloo_jobs(case):
     """The job's own code, each rank exact to the byte; loss_parallel with the job's own step
     (its context holds over the loss's backward: ``models_zoo.parallelize.loss_parallel_step``)."""
@@ -262,9 +262,13 @@ def test_matches_real_gloo_jobs(case):
         build, mesh, batch = _llama, {"tp": 2}, 4
         fn = functools.partial(par.llama_tp, sequence_parallel=True, loss_parallel=True)
         options, own = {"user_step": par.loss_parallel_step}, {"step": par.loss_parallel_step}
-    else:
+    elif case.startswith("fsdp x tp"):
         build, mesh, batch = _llama, {"dp_shard": 2, "tp": 2}, 4
         fn = functools.partial(par.llama_fsdp_tp, op_sac=True)
+    else:  # a LlamaForCausalLM through transformers' maybe_distribute_model and its base_model_tp_plan
+        from validators.strategies import _hf_llama
+
+        build, mesh, batch, fn = _hf_llama, {"tp": 2}, 4, par.transformers_tp
     model, sample_fn, loss_fn = build()
     if isinstance(model, nn.Sequential):
         model = _InputOnly(model)

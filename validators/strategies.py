@@ -71,6 +71,20 @@ def _llama_8_heads():
     return llama.make(dataclasses.replace(llama.Config(), n_heads=8, n_kv_heads=4))
 
 
+def _hf_llama():
+    """A tiny transformers ``LlamaForCausalLM`` (its own loss from ``labels``): its own TP plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config), _token_sample, None
+
+
+def _token_sample(batch: int) -> dict:
+    ids = torch.randint(0, 128, (batch, 32), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
 MODELS = {
     "mlp": functools.partial(sequential_mlp, 256, 4),
     "mlp-uneven": functools.partial(sequential_mlp, 250, 3),  # 250 rows: shards padded on 4 ranks
@@ -79,6 +93,7 @@ MODELS = {
     "gpt-bf16": functools.partial(models_zoo.get, "gpt", "debug", dtype=torch.bfloat16),  # pure bf16 weights
     "llama": functools.partial(models_zoo.get, "llama", "debug"),
     "llama-8h": _llama_8_heads,
+    "hf-llama": _hf_llama,
 }
 
 
@@ -163,6 +178,7 @@ def meshes() -> list[Case]:
         case("mesh: TP 2 + SP + loss_parallel (own step)", "llama", {"tp": 2},
              functools.partial(par.llama_tp, sequence_parallel=True, loss_parallel=True),
              user_step=par.loss_parallel_step),
+        case("mesh: TP 2 by transformers' own tp_plan", "hf-llama", {"tp": 2}, par.transformers_tp),
         case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
         case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, **bf16)),

@@ -324,7 +324,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
         run_step, optimizers = warm.run_step, warm.optimizers
         managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
         if device_mesh is not None and not spec.target.is_cuda:  # a job's state too, in host memory
-            tracker.register({"device mesh": world.rank_map(device_mesh)}, Category.COMMUNICATION)
+            tracker.register(world.rank_maps(fmodel), Category.COMMUNICATION)
         phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers) | set(managed))
         phases.mark_births(tracker, fmodel, warm.state, warm.lazy)
         state_names = {key: name for category, tensors in warm.state.items() if category is not Category.INPUT

@@ -91,11 +91,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if type(t).__name__ == "DTensor" else t
 
 
-def rank_map(device_mesh) -> torch.Tensor:
-    """The mesh's ranks as a tensor (``init_device_mesh``: ``torch.arange(world, dtype=torch.int)``
-    on the CPU, shared by its sub-meshes): memory of the job on the host."""
-    ranks = getattr(device_mesh, "_rank_map", None)
-    return device_mesh.mesh if ranks is None else ranks
+def rank_maps(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The rank maps of the meshes the model's DTensors are placed on, by name: each a tensor of
+    the world's ranks (``init_device_mesh``: ``torch.arange(world, dtype=torch.int)`` on the CPU,
+    shared by its sub-meshes), alive as long as a DTensor's spec holds its mesh: memory of the
+    job on the host.  (A mesh that no DTensor uses is freed with the job's last reference to it.)"""
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if isinstance(t, DTensor):
+            ranks = getattr(t.device_mesh, "_rank_map", None)
+            ranks = t.device_mesh.mesh if ranks is None else ranks
+            found.setdefault(ranks.untyped_storage()._cdata, ranks)
+    return {f"device mesh {i}": ranks for i, ranks in enumerate(found.values())}
 
 
 def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
