@@ -250,21 +250,15 @@ def _replace(m: RankMeasurement, **changes) -> RankMeasurement:
 # bytes alive
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _state_bytes(model, opt, sample) -> dict[str, int]:
-    """Bytes by category of ``steps.state_tensors`` (DTensors as their local shard; each
+    """Bytes by category of ``steps.state_tensors`` (which gives a DTensor's local shard; each
     storage counted once, in its first category)."""
     seen: set[int] = set()
     by_category: dict[str, int] = {}
     for category, tensors in steps.state_tensors(model, opt, sample).items():
         total = 0
         for t in tensors.values():
-            storage = _local(t).untyped_storage()
+            storage = t.untyped_storage()
             if storage.data_ptr() not in seen and storage.nbytes():
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()

@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from estimator.capture import generation
+from estimator.capture import generation, world
 from estimator.capture.checkpointing import checkpointing
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Category, Mode, Phase
@@ -638,8 +638,8 @@ def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     parameter of a ``Parameter`` subclass comes with the tensors its Python attributes hold
     (bitsandbytes' ``Params4bit``: the ``quant_state``'s block scales and code), named
     ``name.attr...``: memory of the weight."""
-    if type(t).__name__ == "DTensor":
-        return _plain(name, t._local_tensor)
+    if (shard := world.local(t)) is not t:
+        return _plain(name, shard)
     if not is_traceable_wrapper_subclass(t):
         return {name: t, **parameter_attribute_tensors(name, t)}
     found = {}

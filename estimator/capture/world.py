@@ -131,9 +131,9 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     layouts = {(tuple(t.shape), tuple(t.placements))
                for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
     groups: dict[tuple, list[int]] = {}
-    for rank, coordinate in enumerate(itertools.product(*(range(n) for n in sizes))):  # row-major, as _coordinate
-        local = tuple(_compute_local_shape_and_global_offset(shape, sizes, list(coordinate), placements,
-                                                             skip_offset=True)[0]
+    for rank in range(math.prod(sizes)):
+        coordinate = list(_coordinate(rank, sizes))
+        local = tuple(_compute_local_shape_and_global_offset(shape, sizes, coordinate, placements, skip_offset=True)[0]
                       for shape, placements in sorted(layouts, key=repr))
         groups.setdefault(local, []).append(rank)
     return tuple(tuple(ranks) for ranks in groups.values())
