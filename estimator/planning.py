@@ -3,7 +3,10 @@
 Both run ``estimator.report`` for each strategy, but capture each distinct single-device step
 once: DDP, ZeRO 1/2/3 and a pipeline's micro-batches are transformations of the same captured
 step (``estimator.ranks.per_rank``); only mixed precision, checkpointing and accumulation
-change what is captured.
+change what is captured.  A model that carries parallel plans (a transformers model's tensor-
+parallel plan) is also offered on meshes of the devices: tensor parallelism within the mesh,
+FSDP2 over the rest, each rank's step captured as its library's own code runs it
+(``capture.model_plans``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from estimator.capture import steps
+from estimator.capture import model_plans, steps
 from estimator.orchestrate.checked import device_name, sample_batch
 from estimator.orchestrate.estimate import estimate_each
 from estimator.reporting.result import Report
@@ -124,8 +127,10 @@ class Comparison:
 
 def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[dict[str, Strategy], list[str]]:
     """The strategies every guide names, for ``devices`` devices: one device, bf16 autocast,
-    ``torch.compile``, checkpointing every block, DDP, ZeRO-1/2/3 and a 1F1B pipeline; the ones
-    the model or ``batch`` cannot take are left out (with the reason)."""
+    ``torch.compile``, checkpointing every block, DDP, ZeRO-1/2/3, a 1F1B pipeline and, for a
+    model that carries parallel plans, meshes of tensor parallelism and FSDP2
+    (``mesh_strategies``); the ones the model or ``batch`` cannot take are left out (with the
+    reason)."""
     found = blocks(model)
     out = {BASELINE: Strategy(), "AMP bf16": Strategy(amp="bf16"), "compiled": Strategy(compile=True)}
     skipped = []
@@ -143,7 +148,22 @@ def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[
             skipped.append(f"pipeline: b={batch} does not split into {devices} micro-batches")
         else:
             out[f"pipeline x{devices} (1F1B)"] = Strategy(pipeline=devices)
+        out |= mesh_strategies(model, devices)
     return out, skipped
+
+
+def mesh_strategies(model: nn.Module, devices: int) -> dict[str, Strategy]:
+    """``devices`` ranks as tensor parallelism over 2, 4 or 8 of them (dividing ``devices`` and
+    the model's heads) and FSDP2 over the rest, by the model's own plans
+    (``capture.model_plans.own_plans``); none where the model carries none."""
+    if not model_plans.carries_plans(model):
+        return {}
+    out = {}
+    for tp in model_plans.tp_sizes(model, devices):
+        mesh = model_plans.mesh_for(devices, tp)
+        label = " x ".join([*([f"FSDP2 x{mesh['dp_shard']}"] if "dp_shard" in mesh else []), f"TP {tp}"])
+        out[f"{label} (its own plans)"] = Strategy(mesh=mesh, parallelize=model_plans.own_plans)
+    return out
 
 
 # Optimizer what-ifs of compare and plan: the low-bit version of the optimizer named, by label,
@@ -330,11 +350,16 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     the gradients ``G`` and parameters ``P`` of the trainable parameters: DDP all-reduces G;
     ZeRO-1 adds the parameter broadcast (P); ZeRO-2 all-gathers P once and reduce-scatters G;
     ZeRO-3 all-gathers P twice (forward and backward).  Pipelines send activations: not
-    counted (0); nor is a mesh's (your parallel code's) traffic."""
+    counted (0).  On a mesh, its data-parallel ranks are counted as ZeRO-3's (FSDP2) on the
+    ``P / t`` each tensor-parallel group of ``t`` holds; tensor parallelism's own traffic
+    (activations) is not counted, nor is anything else your parallel code sends."""
+    p = sum(t.numel() * t.element_size() for t in model.parameters() if t.requires_grad)
+    if strategy.mesh is not None:
+        n, tp = strategy.replicas, strategy.devices // strategy.replicas
+        return round((n - 1) / n * 3 * p / tp)
     n = strategy.data_parallel
     if n == 1:
         return 0
-    p = sum(t.numel() * t.element_size() for t in model.parameters() if t.requires_grad)
     share = (n - 1) / n
     volume = {None: 2 * p, Sharding.ZERO1: 3 * p, Sharding.ZERO2: 2 * p, Sharding.ZERO3: 3 * p}[strategy.sharding]
     # accumulating, DDP reduces once (no_sync); FSDP gathers and reduce-scatters every micro-step
@@ -369,7 +394,8 @@ def cost(strategy: Strategy) -> str:
     if strategy.compile:
         parts.append("compiles at the first step (and again at a new batch size)")
     if strategy.mesh is not None:
-        parts.append("your parallel code's collectives (not counted)")
+        parts.append("your parallel code's collectives: FSDP2's on the dp dims (counted), tensor parallelism's of "
+                     "activations (not)")
     if strategy.pipeline > 1:
         s, m = strategy.pipeline, strategy.microbatches
         bubble = (s - 1) / (m + s - 1)

@@ -155,19 +155,3 @@ def loss_parallel_step(model: nn.Module, sample: dict, optimizer) -> None:
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def transformers_tp(model: nn.Module, mesh) -> None:
-    """Tensor parallelism by a transformers model's own plan (``config.base_model_tp_plan``, what
-    ``from_pretrained(tp_plan="auto")`` applies), through transformers' own
-    ``maybe_distribute_model`` (transformers/distributed/mixin.py) on meshes it lays out as
-    ``initialize_distributed_mesh`` does: dense ``(pp, dp_replicate, fsdp, tp)`` and expert
-    ``(pp, dp_replicate, efsdp, ep)``, here with every dim but ``tp`` of size 1 (the mesh's size)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed.configuration_utils import DistributedConfig
-    from transformers.distributed.utils import TransformersDeviceMesh
-
-    tp = mesh.size()
-    dense = init_device_mesh("cpu", (1, 1, 1, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-    expert = init_device_mesh("cpu", (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-    type(model).maybe_distribute_model(model, DistributedConfig(tp_size=tp), TransformersDeviceMesh(dense, expert))

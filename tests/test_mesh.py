@@ -15,7 +15,8 @@ from torch import nn
 
 import estimator
 import models_zoo
-from estimator import Strategy, corrections
+from estimator import Strategy, corrections, planning
+from estimator.capture.model_plans import own_plans
 from estimator.capture.tracker import RESIZE, Tracker
 from estimator.capture.world import role_name
 from estimator.cli import cli
@@ -250,7 +251,7 @@ def _measured_exactly(rep, build, batch: int, mesh: dict, fn, **options) -> None
 
 
 @pytest.mark.parametrize("case", ["fsdp2 bf16 params, fp32 reduce", "tp 2 + sequence parallel + loss_parallel",
-                                  "fsdp x tp 2 x 2 + op-level SAC", "transformers' own tp_plan"])
+                                  "fsdp x tp 2 x 2 + op-level SAC", "transformers' own plans, fsdp x tp 2 x 2"])
 def test_matches_real_gloo_jobs(case):
     """The job's own code, each rank exact to the byte; loss_parallel with the job's own step
     (its context holds over the loss's backward: ``models_zoo.parallelize.loss_parallel_step``)."""
@@ -265,10 +266,10 @@ def test_matches_real_gloo_jobs(case):
     elif case.startswith("fsdp x tp"):
         build, mesh, batch = _llama, {"dp_shard": 2, "tp": 2}, 4
         fn = functools.partial(par.llama_fsdp_tp, op_sac=True)
-    else:  # a LlamaForCausalLM through transformers' maybe_distribute_model and its base_model_tp_plan
+    else:  # a LlamaForCausalLM through transformers' maybe_distribute_model: its tp and fsdp plans
         from validators.strategies import _hf_llama
 
-        build, mesh, batch, fn = _hf_llama, {"tp": 2}, 4, par.transformers_tp
+        build, mesh, batch, fn = _hf_llama, {"dp_shard": 2, "tp": 2}, 4, own_plans
     model, sample_fn, loss_fn = build()
     if isinstance(model, nn.Sequential):
         model = _InputOnly(model)
@@ -276,3 +277,41 @@ def test_matches_real_gloo_jobs(case):
         rep = estimator.report(model, sample_fn(batch), batch=batch, device="cpu",
                                strategy=Strategy(mesh=mesh, parallelize=fn), **(own or {"loss_fn": loss_fn}))
     _measured_exactly(rep, build, batch, mesh, fn, **options)
+
+
+# -- a model's own plans, and the meshes compare and plan propose ----------------------------------
+
+
+def test_compare_offers_a_transformers_model_meshes_by_its_own_plans():
+    """4 devices for a LlamaForCausalLM with 4 query and 2 key/value heads: TP 2 with FSDP2 over
+    the other 2 (TP 4 would split 2 key/value heads over 4 ranks); a zoo model carries no plans."""
+    from validators.strategies import _hf_llama
+
+    model, sample_fn, _ = _hf_llama()
+    offered = planning.mesh_strategies(model, 4)
+    assert list(offered) == ["FSDP2 x2 x TP 2 (its own plans)"]
+    (mesh,) = offered.values()
+    assert mesh == Strategy(mesh={"dp_shard": 2, "tp": 2}, parallelize=own_plans) and mesh.replicas == 2
+    assert list(planning.mesh_strategies(model, 8)) == ["FSDP2 x4 x TP 2 (its own plans)"]
+    assert planning.mesh_strategies(_llama()[0], 4) == {}
+    # FSDP2 over 2 ranks of the half each TP pair holds: (2 - 1) / 2 x (2 all-gathers + 1 reduce-scatter) x P / 2
+    p = sum(t.numel() * F32 for t in model.parameters())
+    assert planning.communication_bytes(model, mesh) == round(0.5 * 3 * p / 2)
+    result = estimator.compare(model, sample_fn(4), batch=4, device="cpu", workers=1,
+                               strategies={"mesh": mesh, "ZeRO-3 x4": Strategy(data_parallel=4, sharding="zero3")})
+    direct = estimator.report(model, sample_fn(4), batch=4, device="cpu", strategy=mesh)
+    assert result["mesh"].peak_bytes == direct.peak_bytes == 1_620_796  # measured on gloo (validators.strategies)
+    assert result["mesh"].samples_per_step == 8
+
+
+def test_own_plans_name_what_they_cannot_do():
+    model, sample_fn, loss_fn = _llama()
+    with pytest.raises(InputError, match="own_plans: Llama carries no parallel plans"):
+        estimator.report(model, sample_fn(4), batch=4, loss_fn=loss_fn, device="cpu",
+                         strategy=Strategy(mesh={"tp": 2}, parallelize=own_plans))
+    from validators.strategies import _hf_llama
+
+    model, sample_fn, _ = _hf_llama()
+    with pytest.raises(InputError, match="mesh dim\\(s\\) 'cp' are not among the model's plans"):
+        estimator.report(model, sample_fn(4), batch=4, device="cpu",
+                         strategy=Strategy(mesh={"cp": 2, "tp": 2}, parallelize=own_plans))

@@ -20,7 +20,8 @@ from estimator.capture.steps import Generation
 from estimator.capture.repeated_blocks import UNITS, Plan
 from estimator.vocab.categories import Mode
 import models_zoo
-from models_zoo import gpt
+from models_zoo import gpt, llama
+from models_zoo import parallelize as par
 from validators.cpu import measure_cpu
 
 transformers = pytest.importorskip("transformers")
@@ -121,6 +122,17 @@ def test_strategies_see_every_block(strategy):
     _same(*_both(_model("llama", 8), _sample(), strategy=strategy))
 
 
+def test_a_mesh_sees_every_block():
+    """A job's own FSDP2 on the zoo's Llama over 3 ranks (uneven shards: two roles): FSDP2's root
+    pre-forward views every block's parameters at the root (no block's module: ``OpEvent.takes``
+    places each view in its block; before, the built blocks had none, 27 ops short at 8 blocks),
+    and the shards are made at one place of the load order (the built blocks' too).  FSDP x TP on
+    a 2 x 2 mesh is the same (checked once, 30 s: left out of the suite)."""
+    model, make_sample, loss_fn = llama.make(llama.Config(n_layers=6))  # one block built
+    _same(*_both(model, make_sample(4), batch=4, loss_fn=loss_fn, device="cuda",
+                 strategy=estimator.Strategy(mesh={"dp_shard": 3}, parallelize=par.fsdp)))
+
+
 def test_autocast_frees_its_cast_weights_in_block_order():
     """Leaving autocast frees its cache of bf16 weight copies all at once, in its hash map's order
     of tensor pointers; the tracker keeps them in the order they were made, so the blocks' copies
@@ -190,6 +202,31 @@ def test_root_sequential_and_a_plain_stack():
     extended, full = _both(model, torch.randn(4, 16), loss_fn=lambda out, x: out.sum())
     _same(extended, full)
     assert "7 blocks from a capture of 5" in next(n for n in extended.notes if "blocks from" in n)
+
+
+class Features(Stack):
+    """After the loop, at the root: each block's output taken by an op of no block, and stacked."""
+
+    def forward(self, x):
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return torch.stack([torch.tanh(h) for h in outs]).sum()
+
+
+def test_root_code_that_takes_each_blocks_tensor_is_built_per_block():
+    """The ``tanh`` calls run at the root, after the blocks: each takes one block's output
+    (``OpEvent.takes``), so each is its block's and the built blocks get theirs.  Placed by module
+    only, they were no block's: the stack then held 5 tanh outputs, not 8, and the peak was
+    13,568 B, 1,536 B = 3 built blocks x 2 outputs (tanh's and the stack's share) x 4 rows x 16 x 4 B
+    under the full capture's (measured before the change)."""
+    model, x = Features().eval(), torch.randn(4, 16)
+    extended, full = _both(model, x, device="cpu", mode="inference")
+    _same(extended, full)
+    # at the stack: 8 x 272 parameters x 4 B + the input + 8 block outputs (kept in the list), 8 tanh
+    # outputs and the stack's 8 rows, each 4 x 16 x 4 B = 256 B
+    assert extended.peak_bytes == full.peak_bytes == 8 * 272 * 4 + 256 + 3 * 8 * 256 == 15_104
 
 
 def _headed() -> Stack:

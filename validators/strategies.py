@@ -157,6 +157,7 @@ def cases() -> list[Case]:
 def meshes() -> list[Case]:
     """The job's own parallelize function (``models_zoo/parallelize.py``) on a device mesh: the
     capture runs it on a fake process group, each real rank runs it on gloo; ``b`` per rank."""
+    from estimator.capture.model_plans import own_plans
     from models_zoo import parallelize as par
 
     def case(name: str, model: str, mesh: dict, fn, batch: int = 4, **options) -> Case:
@@ -178,7 +179,10 @@ def meshes() -> list[Case]:
         case("mesh: TP 2 + SP + loss_parallel (own step)", "llama", {"tp": 2},
              functools.partial(par.llama_tp, sequence_parallel=True, loss_parallel=True),
              user_step=par.loss_parallel_step),
-        case("mesh: TP 2 by transformers' own tp_plan", "hf-llama", {"tp": 2}, par.transformers_tp),
+        case("mesh: TP 2 by transformers' own plans", "hf-llama", {"tp": 2}, own_plans),
+        case("mesh: FSDP 2 x TP 2 by transformers' own plans", "hf-llama", {"dp_shard": 2, "tp": 2}, own_plans),
+        case("mesh: HSDP 2 x 2 by transformers' own plans", "hf-llama", {"dp_replicate": 2, "dp_shard": 2},
+             own_plans),
         case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
         case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, **bf16)),

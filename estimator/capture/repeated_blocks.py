@@ -11,9 +11,11 @@ capture of every block, event by event, and says so in the notes:
 
 - what belongs to a unit: the ops of its modules (and of its parameters, in the optimizer), the
   ops between two of them in the same phase (a functional rotary embedding, a gap between two
-  units is the earlier one's), the storages its parameters own, its ops make or the state names
-  with its path (``RawCapture.state_names``: buffers, held tensors, an EMA copy of the model);
-  state no name places (what a user's step keeps) refuses the extension;
+  units is the earlier one's), the ops of no unit that take a middle unit's tensor (code outside
+  the blocks working on each one: FSDP2's root pre-forward on every block's parameters, features
+  taken from every block's output after the loop), the storages its parameters own, its ops
+  make or the state names with its path (``RawCapture.state_names``: buffers, held tensors, an
+  EMA copy of the model); state no name places (what a user's step keeps) refuses the extension;
 - the proof (each failure a ``NotRepeating`` naming where): the middle three units (positions
   1, 2 and 3: real units 1, 2 and the one before the last) run the same ops (names, phases,
   modules and owners relative to the unit, scratch values, the storages each makes and frees:
@@ -117,8 +119,6 @@ class Plan:
 def plan(model: nn.Module, spec: StepSpec) -> Plan | None:
     """The repeated blocks of ``model`` worth capturing once, or None (see the module)."""
     if spec.compiled is not None:
-        return None
-    if spec.strategy.mesh is not None:  # FSDP2's prefetch crosses blocks: the proof passed, the extension was not exact
         return None
     if isinstance(spec.step, steps.Generation) and _per_layer_state(spec.step, getattr(model, "config", None)):
         return None
@@ -265,10 +265,12 @@ class _Extension:
         self.pattern = re.compile(rf"(?:^|(?<=\.)){re.escape(self.prefix)}(\d+)(?=\.|$)")
         self.pos_of_unit = {plan_.real_unit(pos): pos for pos in range(UNITS)}
         ops = raw.ops
-        self.op_pos = self._op_positions()
+        named = {sid: self._pos(s.owner) if s.owner else self._pos(raw.state_names.get(sid), self._kept_state(s))
+                 for sid, s in raw.storages.items()}
+        self.op_pos = self._op_positions(named)
         self.store_pos: dict[int, int | None] = {}
         for sid, s in raw.storages.items():
-            pos = self._pos(s.owner) if s.owner else self._pos(raw.state_names.get(sid), self._kept_state(s))
+            pos = named[sid]
             self.store_pos[sid] = pos if pos is not None or s.op < 0 else self.op_pos[s.op]
             if s.op < 0 and pos is None and s.category is not Category.INPUT and sid not in raw.state_names:
                 raise NotRepeating("the step keeps tensors no name places (a list it appends to, a cache): "
@@ -317,9 +319,13 @@ class _Extension:
         found = self._find(name, anywhere)
         return None if found is None else self.pos_of_unit[found[1]]
 
-    def _op_positions(self) -> list[int | None]:
+    def _op_positions(self, named: dict[int, int | None]) -> list[int | None]:
         """Each op's position: its module's or (optimizer) its parameter's unit; an op between two
-        ops of the same unit, or of consecutive ones, in the same phase belongs to the earlier."""
+        ops of the same unit, or of consecutive ones, in the same phase belongs to the earlier.  An
+        op of neither that takes a middle unit's tensor (``OpEvent.takes``: its parameters, by
+        ``named``, or what that unit's ops made) is the unit's of the newest such tensor: code
+        outside the blocks that works on each of them (FSDP2's root pre-forward views every block's
+        parameters, a sum of every block's output at the root) runs once per block."""
         ops = self.raw.ops
         own = [pos if (pos := self._pos(op.module)) is not None else self._pos(op.owner) for op in ops]
         found = list(own)
@@ -332,6 +338,14 @@ class _Extension:
                     if ops[j].phase is ops[i].phase:
                         found[j] = previous[1]
             previous = (i, pos)
+        made: dict[int, int | None] = {}
+        for i, op in enumerate(ops):
+            if found[i] is None and op.takes:
+                taken = [(sid, pos) for sid in op.takes
+                         if (pos := named.get(sid) if named.get(sid) is not None else made.get(sid)) is not None]
+                if any(pos in (FIRST, TEMPLATE, NEXT) for _, pos in taken):
+                    found[i] = max(taken)[1]
+            made.update((sid, found[i]) for sid in op.allocs)
         return found
 
     def _rel(self, name: str | None, pos: int) -> Any:
@@ -638,17 +652,28 @@ class _Extension:
                                    bytes_per_token=sum(full), layer_bytes=tuple(full))
 
     def _load_order(self, new_storages: dict[int, Storage], listed, resolve) -> None:
-        """The parameters' and buffers' places in ``Module._apply``'s walk (``Born.order``), the
-        copies' after the template's, the later ones moved on by them."""
-        walk = sorted((sid for sid, s in self.raw.storages.items() if s.born is not None and s.born.when is Birth.LOAD),
-                      key=lambda sid: self.raw.storages[sid].born.order)
+        """The parameters' and buffers' places in ``Module._apply``'s walk (``Born.order``): a copy
+        is as far from the one before it as its template is from the one before that (one place,
+        or none where a parallelize function made every shard at one place), the later ones moved
+        on by the copies' steps."""
+        storages = self.raw.storages
+        walk = sorted((sid for sid, s in storages.items() if s.born is not None and s.born.when is Birth.LOAD),
+                      key=lambda sid: storages[sid].born.order)
+        step = {sid: storages[sid].born.order - storages[before].born.order for before, sid in zip(walk, walk[1:])}
+        template_of: dict[int, int] = {}
+
+        def copy_of(sid: int, real: int) -> int:
+            new = resolve(_Ref(0, self.keys[sid]), real)
+            template_of[new] = sid
+            return new
+
         shift, order = 0, -1
-        for sid in listed(walk, self.store_pos.get, lambda sid, r: resolve(_Ref(0, self.keys[sid]), r),
-                          "the model's load order"):
-            if sid in self.raw.storages:
-                order = self.raw.storages[sid].born.order + shift
-            else:  # a copy: after the one before it
-                shift, order = shift + 1, order + 1
+        for sid in listed(walk, self.store_pos.get, copy_of, "the model's load order"):
+            if sid in template_of:
+                gap = step.get(template_of[sid], 1)
+                shift, order = shift + gap, order + gap
+            else:
+                order = storages[sid].born.order + shift
             new_storages[sid] = dataclasses.replace(new_storages[sid], born=Born(Birth.LOAD, order))
 
     def _emit_copies(self, ops, run: _Run, emit) -> None:

@@ -63,6 +63,7 @@ from estimator.corrections.cpu import matmul as cpu_matmul
 from estimator.corrections.cuda import autocast as cuda_autocast
 from estimator.corrections.mode import Substitutions
 from estimator.vocab import progress
+from estimator.vocab.bookkeeping import collector_fresh
 from estimator.vocab.categories import Born, Category, Mode, Phase
 from estimator.vocab.data_dependent import Policy
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
@@ -336,7 +337,8 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
         dd.new_step()
         decoding = phases.decoding(tracker, fmodel, shape_env) if spec.mode is Mode.GENERATE \
             else contextlib.nullcontext({})
-        with tracker, module_hooks, phases.grad_order(fmodel) as grad_order, real.track(tracker), user_phases, \
+        with collector_fresh(), tracker, module_hooks, phases.grad_order(fmodel) as grad_order, \
+                real.track(tracker), user_phases, \
                 phases.run_marks(tracker, fmodel, optimizers, watch_model=not user) as marks, decoding as decoded, \
                 progress.task(f"capture ({spec.mode.value})", unit="op") as tracker.bar:
             result = run_step(phases.on_phase(tracker, fmodel))

@@ -62,6 +62,9 @@ class OpEvent:
     # the storages of its tensor-list arguments (cat, stack, foreach ops; None for a tensor not tracked): a
     # list over the parameters or the blocks, whose length an output's size may follow (``repeated_blocks``)
     reads: tuple[int | None, ...] = ()
+    # the storages of its tensor arguments (not in lists), tracked ones only: an op outside the blocks
+    # that takes a block's tensor (a loop over every block's parameters at the root) is that block's work
+    takes: tuple[int, ...] = ()
 
 
 RESIZE = "storage.resize_"  # the op of a storage's ``resize_()`` (``Tracker.resized``)
@@ -414,6 +417,8 @@ class Tracker(TorchDispatchMode):
         for a in args:
             if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
                 event.reads += tuple(self.key_of(t) for t in a)
+        event.takes = tuple(key for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                            for t in _inner(a) if (key := self.key_of(t)) is not None)
         return out
 
     def _owner(self, t) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from estimator.vocab.errors import CaptureError, InputError
+from estimator.vocab.errors import CaptureError, FxmemError, InputError
 from estimator.vocab.strategy import function_name
 
 
@@ -108,9 +108,12 @@ def rank_maps(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
-    """``fn(model, device_mesh)`` on the fake copy; what it raises is named as its own."""
+    """``fn(model, device_mesh)`` on the fake copy; what it raises is named as its own (fxmem's
+    own plans raise their errors as they are)."""
     try:
         out = fn(model, device_mesh)
+    except FxmemError:
+        raise
     except Exception as exc:  # noqa: BLE001 (the user's code: any error is theirs, named)
         raise CaptureError(f"Strategy(parallelize={function_name(fn)}) raised on the fake copy of the model: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -213,9 +213,10 @@ class Strategy:
     @property
     def replicas(self) -> int:
         """The data-parallel degree: ranks that each run ``b`` samples of their own.  On a mesh,
-        the dims named ``dp*`` (torchtitan's ``dp_replicate`` / ``dp_shard``)."""
+        the dims named ``dp*`` (torchtitan's ``dp_replicate`` / ``dp_shard``) or ``fsdp``
+        (transformers')."""
         if self.mesh is not None:
-            return math.prod(size for name, size in self.mesh if name.startswith("dp"))
+            return math.prod(size for name, size in self.mesh if name.startswith("dp") or name == "fsdp")
         return self.data_parallel
 
     @property
