@@ -100,10 +100,10 @@ _OP_SAC_SAVE = ("aten.mm", "aten._scaled_dot_product_efficient_attention",
                 "_c10d_functional.reduce_scatter_tensor", "aten.max", "torch_attn._varlen_attn")
 
 
-def _op_sac_save_list() -> set:
-    """torchtitan's list, the ops this torch has (``flex_attention`` is a higher-order op)."""
+def _op_sac_save_list(names: tuple[str, ...]) -> set:
+    """The ops of ``names`` this torch has (and ``flex_attention``, a higher-order op)."""
     ops = set()
-    for name in _OP_SAC_SAVE:
+    for name in names:
         namespace, op = name.split(".")
         packet = getattr(getattr(torch.ops, namespace, None), op, None)
         if packet is not None:
@@ -112,17 +112,17 @@ def _op_sac_save_list() -> set:
     return ops | ({flex} if flex is not None else set())
 
 
-def apply_op_sac(model: nn.Module) -> None:
+def apply_op_sac(model: nn.Module, save: tuple[str, ...] = _OP_SAC_SAVE) -> None:
     """Wrap each of ``model.layers`` in ``checkpoint_wrapper`` with torchtitan's op-level
     selective checkpointing policy (``create_selective_checkpoint_contexts``), as
     torchtitan's ``apply_ac(model, ac_config)`` with ``mode="selective", selective_ac_option="op"``
-    does."""
+    does; ``save``: the names of the ops whose outputs are saved (its ``_op_sac_save_list``)."""
     from collections import defaultdict
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    save = _op_sac_save_list()
+    save = _op_sac_save_list(save)
 
     def context_fn():
         meta = defaultdict(int)

@@ -17,6 +17,10 @@ def pytest_configure(config):
     os.environ.setdefault("FXMEM_CACHE_DIR", tempfile.mkdtemp(prefix="fxmem-test-cache-"))
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is available)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    # the suite keeps its objects frozen between tests (``_old_objects_frozen``): captures leave them so
+    from estimator.vocab import bookkeeping
+
+    bookkeeping.keep_frozen()
     # torch is imported without numpy in this venv; its one-time warning is noise.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -37,7 +41,8 @@ def _old_objects_frozen():
     (validators.steady.warm_up, validators.cpu, estimator.capture.trace) then walks only this
     test's objects, not the whole session's (torch's fake-tensor dispatch cache, cached reports:
     over a million objects, ~1 s per collection late in the suite).  A test's own garbage is still
-    collected as before; only objects alive when a test starts are never collected as cycles."""
+    collected as before; only objects alive when a test starts are never collected as cycles.
+    Captures leave them frozen (``bookkeeping.keep_frozen``, set in ``pytest_configure``)."""
     gc.collect()
     gc.freeze()
     yield

@@ -20,7 +20,7 @@ from estimator.capture.model_plans import own_plans
 from estimator.capture.tracker import RESIZE, Tracker
 from estimator.capture.world import role_name
 from estimator.cli import cli
-from estimator.vocab.categories import Target
+from estimator.vocab.categories import Category, Target
 from estimator.vocab.errors import CaptureError, InputError
 from models_zoo import parallelize as par
 from validators import cpu
@@ -315,3 +315,21 @@ def test_own_plans_name_what_they_cannot_do():
     with pytest.raises(InputError, match="mesh dim\\(s\\) 'cp' are not among the model's plans"):
         estimator.report(model, sample_fn(4), batch=4, device="cpu",
                          strategy=Strategy(mesh={"cp": 2, "tp": 2}, parallelize=own_plans))
+
+
+def test_gradients_a_step_starts_with_are_their_local_shards():
+    """A step that zeroes the gradients at its start (torchtitan's) finds the previous step's
+    FSDP2 gradients alive: per group, one reduce-scatter output that the DTensor gradients view,
+    counted once.  (Their DTensor wrappers were counted instead, each as if it reached every
+    element before its own: 4.8x a block's gradients, and the real storages again as tensors the
+    step "keeps", which made the CUDA target's first step 42 GiB higher on Llama 3.1 8B.)"""
+    from validators import torchtitan
+
+    rep = estimator.report(torchtitan.build(torchtitan.TINY), torchtitan.sample(2, 32, 256), batch=2, device="cpu",
+                           strategy=Strategy(mesh={"dp_shard": 2}, parallelize=torchtitan.parallelize),
+                           step=torchtitan.train_step, optimizer=torchtitan.optimizer)
+    timeline = rep.ranks[0].report.timeline
+    grads = [nbytes(2) for nbytes, category, op, _ in timeline.storages if category is Category.GRADIENT and op < 0]
+    # the root's group (embedding, output, norm: 32,832 parameters), then 3 blocks of 55,424, halved, fp32
+    assert grads == [32_832 // 2 * F32] + 3 * [55_424 // 2 * F32] == [65_664, 110_848, 110_848, 110_848]
+    assert not [n for n in rep.notes if "keeps" in n]

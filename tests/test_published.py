@@ -177,16 +177,29 @@ def test_one_micro_step_has_the_peak_of_the_accumulation_loop():
     assert figures[0] == figures[1]
 
 
-def test_torchtitan_rows_name_what_fxmem_refuses():
-    """The torchtitan rows are "not estimable" because fxmem refuses FSDP with low-precision
-    parameters over fp32 ones (MixedPrecisionPolicy); when it stops refusing, the rows need a
-    prediction instead."""
-    from estimator import Strategy
+def test_torchtitan_rows_run_torchtitans_own_job():
+    """The torchtitan rows are predicted from torchtitan's own job (``validators.torchtitan``: its
+    Llama, ``parallelize_llama``'s op-level SAC and FSDP2 with bf16 parameters and fp32 reduction,
+    its step and AdamW) on a fake process group of 8 and 128 ranks.  At a tiny size: every rank
+    holds 1/ranks of the fp32 parameters and of AdamW's two states, the activations do not depend
+    on the number of ranks."""
+    from estimator import Category, Strategy
+    from validators import torchtitan
 
-    with pytest.raises(InputError, match="MixedPrecisionPolicy"):
-        Strategy(data_parallel=8, sharding="zero3", master_weights=True)
-    titan = [r for r in ROWS if r.key.startswith("torchtitan-")]
-    assert titan and all("MixedPrecisionPolicy" in r.not_estimable for r in titan)
+    titan = {r.key: r for r in ROWS if r.key.startswith("torchtitan-")}
+    assert set(titan) == {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
+    assert all(r.predict is not None and r.not_estimable is None for r in titan.values())
+    params = 2 * 256 * 64 + 64 + 3 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 224 + 2 * 64)  # = 199,104
+    reps = {}
+    for ranks in (8, 16):  # every dim divides: no padded shard
+        reps[ranks] = estimator.report(
+            torchtitan.build(torchtitan.TINY), torchtitan.sample(2, 32, 256), batch=2, device="cuda",
+            strategy=Strategy(mesh={"dp_shard": ranks}, parallelize=torchtitan.parallelize),
+            step=torchtitan.train_step, optimizer=torchtitan.optimizer)
+        assert [r.role for r in reps[ranks].ranks] == ["every rank"]
+        assert reps[ranks].breakdown[Category.PARAMETER] == params * 4 // ranks  # 99,552 / 49,776 B
+        assert reps[ranks].breakdown[Category.OPTIMIZER_STATE] == 2 * params * 4 // ranks
+    assert reps[8].breakdown[Category.ACTIVATION] == reps[16].breakdown[Category.ACTIVATION]
 
 
 @pytest.mark.parametrize("norm, mlp, rotary, parallel", [("RMSNorm", "LLaMAMLP", 1.0, False),

@@ -33,7 +33,7 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator import Strategy
-from validators import cpu
+from validators import cpu, torchtitan
 from validators.distributed import _InputOnly, measure_ranks, sequential_mlp
 
 RANK_THREADS = 1  # intra-op threads of each rank of a distributed job
@@ -94,6 +94,7 @@ MODELS = {
     "llama": functools.partial(models_zoo.get, "llama", "debug"),
     "llama-8h": _llama_8_heads,
     "hf-llama": _hf_llama,
+    "torchtitan": torchtitan.tiny,
 }
 
 
@@ -188,6 +189,9 @@ def meshes() -> list[Case]:
              functools.partial(par.llama_fsdp_tp, **bf16)),
         case("mesh: FSDP 2 x TP 2 + SP + op-level SAC", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, op_sac=True)),
+        case("mesh: torchtitan's Llama 3 job (op-level SAC, FSDP2 x2 bf16, its step and AdamW)", "torchtitan",
+             {"dp_shard": 2}, torchtitan.parallelize, batch=2, user_step=torchtitan.train_step,
+             optimizer=torchtitan.optimizer),
     ]
 
 
@@ -217,6 +221,8 @@ def run_case(case: Case) -> list[Row]:
     # at the thread count of the run it is compared with (the distributed ranks run one thread each)
     user_step = case.options.get("user_step")  # the job's own step (a mesh's): it computes its loss itself
     step = {"step": user_step} if user_step else {"loss_fn": loss_fn}
+    if "optimizer" in case.options:  # the job's own (the harness gets it from the options too)
+        step["optimizer"] = case.options["optimizer"]
     with cpu.threads(RANK_THREADS if case.harness else torch.get_num_threads()):
         rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, strategy=case.strategy, device="cpu",
                                **step)

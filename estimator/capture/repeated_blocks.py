@@ -221,6 +221,11 @@ def shallow(model: nn.Module, plan_: Plan) -> nn.Module:
     return root
 
 
+def is_shallow(model: nn.Module) -> bool:
+    """Whether ``model`` is a copy ``shallow`` made (its capture records ``OpEvent.takes``)."""
+    return model in _TWINS
+
+
 def map_originals(model: nn.Module, memo: dict[int, Any]) -> None:
     """After ``model`` was copied with ``memo`` (``copy.deepcopy``, ``fake.fake_model``): where it is a
     shallow copy, the user's modules it stands for map to the copies too, so that a step whose

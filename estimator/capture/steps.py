@@ -543,7 +543,10 @@ def user_state_tensors(model: nn.Module, state: Any, sample: Any) -> dict[Catego
     the state of every optimizer in ``state`` (``optimizers_in``) and the other tensors ``state``
     holds (an EMA copy's weights, a ``GradScaler``'s scale), counted as optimizer state."""
     found = state_tensors(model, None, sample)
-    found[Category.GRADIENT] = {f"{name}.grad": p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = found[Category.GRADIENT] = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:  # a DTensor's is its local shard (FSDP2's: views of one reduce-scatter output)
+            grads.update(_plain(f"{name}.grad", p.grad))
     optimizers = optimizers_in(state)
     param_names = {id(p): name for name, p in model.named_parameters()}
     states = found[Category.OPTIMIZER_STATE]

@@ -312,6 +312,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
 
     real = real_tensors(micro, symbolic, k)
     tracker = Tracker({id(m): name for name, m in fmodel.named_modules()}, spec.target)
+    tracker.records_takes = repeated_blocks.is_shallow(model)
     dd = datadep.DataDependent(spec.data_dependent, {id(m): name for name, m in fmodel.named_modules()})
     dd.shadow_sample(fsample, sample, dims)
     user = spec.step is not None

@@ -160,6 +160,7 @@ class Tracker(TorchDispatchMode):
         self.before_op = None  # called before each op is recorded (a user's step: finds the phase)
         self.sums = GradSums(self)
         self.bar = progress.SILENT  # the ops recorded, for a progress bar (``vocab.progress``)
+        self.records_takes = False  # OpEvent.takes, for a shallow copy's capture (``repeated_blocks``) only
         self._paused = 0  # > 0 while DTensor computes output metadata (``_hooks``): nothing is recorded
 
     def __enter__(self):
@@ -417,8 +418,9 @@ class Tracker(TorchDispatchMode):
         for a in args:
             if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
                 event.reads += tuple(self.key_of(t) for t in a)
-        event.takes = tuple(key for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
-                            for t in _inner(a) if (key := self.key_of(t)) is not None)
+        if self.records_takes:
+            event.takes = tuple(key for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                                for t in _inner(a) if (key := self.key_of(t)) is not None)
         return out
 
     def _owner(self, t) -> str | None:

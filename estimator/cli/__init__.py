@@ -26,6 +26,7 @@ import click
 from estimator.capture import watchdog
 from estimator.cli.commands import EXIT_CAPTURE, EXIT_INTERRUPTED, EXIT_OK, INTERRUPTED, cli
 from estimator.progress_bars import progress
+from estimator.vocab import bookkeeping
 
 __all__ = ["cli", "entry", "main"]
 
@@ -69,7 +70,8 @@ def entry() -> None:
     interpreter's last collection would walk them only for the process to end: about 1.3 s of
     ``fxmem report mlp --batch 8`` (3.7-4.0 s before, 2.3-2.6 s after, with the zoo's models
     imported on first use; docs/benchmark.md).  The capture itself runs with the collector as it
-    is (its thresholds decide when cyclic garbage is freed)."""
+    is (its thresholds decide when cyclic garbage is freed) and leaves what it froze frozen
+    (``bookkeeping.keep_frozen``)."""
     if sys.argv[1:2] and sys.argv[1] in _CAPTURING and not {"-h", "--help"} & set(sys.argv[2:]):
         watchdog.guard_process(EXIT_CAPTURE)  # a capture stuck in C++ ends with exit 3, not never
         gc.disable()
@@ -79,6 +81,7 @@ def entry() -> None:
             sys.exit(EXIT_INTERRUPTED)
         finally:
             gc.freeze()
+            bookkeeping.keep_frozen()
             gc.enable()
     code = main()
     gc.freeze()
