@@ -21,9 +21,9 @@ examined): every generation's count starts at zero and the young collections fol
 capture's own objects, each walking only them.  Full collections are held off (the third
 generation's threshold raised, restored after), as in a job's process, where CPython runs one
 only once the objects that survived grew by a quarter of the millions it holds.  The collection
-first is needed: garbage an earlier capture or the warm-up left (FSDP2's uneven shards) changed
-what the capture counted when it stayed alive (+189,756 B on the last rank of an FSDP2 x4
-job, measured).  It walks every object the process does not keep frozen; after the capture
+first is needed: a cycle the warm-up step leaves keeps FSDP2's padded parameter shards of an
+uneven rank alive, so the step's replacing them freed nothing (+189,756 B on the last rank of an
+FSDP2 x4 job, against a real gloo job that matches the collected capture byte for byte).  It walks every object the process does not keep frozen; after the capture
 they are unfrozen.
 
 A process that keeps its long-lived objects frozen itself (``fxmem``'s command line after its
