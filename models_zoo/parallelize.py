@@ -116,7 +116,8 @@ def apply_op_sac(model: nn.Module, save: tuple[str, ...] = _OP_SAC_SAVE) -> None
     """Wrap each of ``model.layers`` in ``checkpoint_wrapper`` with torchtitan's op-level
     selective checkpointing policy (``create_selective_checkpoint_contexts``), as
     torchtitan's ``apply_ac(model, ac_config)`` with ``mode="selective", selective_ac_option="op"``
-    does; ``save``: the names of the ops whose outputs are saved (its ``_op_sac_save_list``)."""
+    does; ``save``: the names of the ops whose outputs are saved (torchtitan's current
+    ``_op_sac_save_list`` by default; ``validators.torchtitan`` passes its 2024 commit's)."""
     from collections import defaultdict
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -23,8 +23,8 @@ generation's threshold raised, restored after), as in a job's process, where CPy
 only once the objects that survived grew by a quarter of the millions it holds.  The collection
 first is needed: a cycle the warm-up step leaves keeps FSDP2's padded parameter shards of an
 uneven rank alive, so the step's replacing them freed nothing (+189,756 B on the last rank of an
-FSDP2 x4 job, against a real gloo job that matches the collected capture byte for byte).  It walks every object the process does not keep frozen; after the capture
-they are unfrozen.
+FSDP2 x4 job, against a real gloo job that matches the collected capture byte for byte).  It
+walks every object the process does not keep frozen; after the capture they are unfrozen.
 
 A process that keeps its long-lived objects frozen itself (``fxmem``'s command line after its
 imports, the test suite between tests) says so with ``keep_frozen()``: captures then leave
