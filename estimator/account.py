@@ -38,6 +38,7 @@ class OpMemory:
     scratch: tuple[Poly, ...] = ()  # kernel-internal temporaries on top of ``live`` (corrections)
     total: Poly | None = None  # sum of ``live`` (computed when not given)
     owner: str | None = None  # optimizer phase: the parameter this op updates (None: several, or none)
+    stream: int = 0  # the stream it runs on, which its outputs and scratch are allocated on (0: the default)
 
     def __post_init__(self) -> None:
         if self.total is None:
@@ -127,7 +128,7 @@ class Timeline:
 
         ops = tuple(
             OpMemory(op.index, op.op, op.node, op.phase, op.module, vec(op.live), vec(op.allocated),
-                     vec(op.scratch), f(op.total), op.owner)
+                     vec(op.scratch), f(op.total), op.owner, op.stream)
             for op in self.ops
         )
         storages = tuple((f(nbytes), *rest) for nbytes, *rest in self.storages)
@@ -172,7 +173,7 @@ def account(raw: RawCapture) -> Timeline:
                 total += storage.nbytes
             allocated, live = tuple(made), tuple(current)
         ops.append(OpMemory(i, event.name, event.node, event.phase, event.module, live, allocated, event.scratch, total,
-                            event.owner))
+                            event.owner, event.stream))
         for sid in event.frees:
             storage = raw.storages[sid]
             current[_INDEX[storage.category]] -= storage.nbytes
@@ -213,6 +214,7 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
             fit_vector([t.ops[i].live for t in timelines]),
             fit_vector([t.ops[i].allocated for t in timelines]),
             fit_scratch(i),
+            stream=op.stream,
         )
         for i, op in enumerate(first.ops)
     )
@@ -224,7 +226,8 @@ def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: 
 
 def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[object, int]] = ()):
     """The step's allocations and frees in program order at batch size ``b``, as
-    ``("alloc", key, nbytes)`` / ``("free", key, 0)``: the state alive before the step first,
+    ``("alloc", key, nbytes)`` (``("alloc", key, nbytes, stream)`` for an op on a side stream,
+    ``OpMemory.stream``) / ``("free", key, 0)``: the state alive before the step first,
     then ``after_state`` (``(key, nbytes)`` buffers held across steps, e.g. library
     workspaces), then for each op its outputs, its kernel scratch (the largest candidate,
     allocated and freed inside the op), and the storages dropped after it.  Input for an
@@ -244,11 +247,12 @@ def allocation_events(timeline: Timeline, b: int, after_state: Sequence[tuple[ob
     for key in frees.get(-1, []):
         yield "free", key, 0
     for i, op in enumerate(timeline.ops):
+        on = (op.stream,) if op.stream else ()
         for key in allocs.get(i, []):
-            yield "alloc", key, sizes[key]
+            yield "alloc", key, sizes[key], *on
         scratch = max((s(b) for s in op.scratch), default=0)
         if scratch > 0:
-            yield "alloc", ("scratch", i), scratch
+            yield "alloc", ("scratch", i), scratch, *on
             yield "free", ("scratch", i), 0
         for key in frees.get(i, []):
             yield "free", key, 0

@@ -17,17 +17,20 @@ from estimator.vocab.strategy import blocks
 
 
 def fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool | int = True,
-         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
+         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+         offload_policy=None) -> None:
     """FSDP2 as torchtitan's ``apply_fsdp`` applies it: ``fully_shard`` each block (the children
     holding parameters of the model's first ``nn.Sequential`` / ``nn.ModuleList``), then the root,
     with a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.  A 1-D mesh shards over every rank
     (FSDP); a 2-D mesh ``{"dp_replicate": r, "dp_shard": s}`` replicates over its first dim and
     shards over its second (HSDP).  ``reshard_after_forward``: True (ZeRO-3), False (ZeRO-2) or an
-    int, the size of the smaller group the parameters are resharded to after forward."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    int, the size of the smaller group the parameters are resharded to after forward.
+    ``offload_policy``: ``fully_shard``'s (``CPUOffloadPolicy()``: the shards in host memory)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+               "offload_policy": offload_policy or OffloadPolicy()}
     for _, block in blocks(model):
         fully_shard(block, **options)
     fully_shard(model, **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 import warnings
 
@@ -23,6 +24,16 @@ def pytest_configure(config):
     bookkeeping.keep_frozen()
     # torch is imported without numpy in this venv; its one-time warning is noise.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+MAX_WORKERS = 4  # each worker imports torch and captures models of its own: about 1-3 GiB each
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core this process may run on, at most
+    ``MAX_WORKERS``."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      MAX_WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,6 +56,17 @@ def _old_objects_frozen():
     Captures leave them frozen (``bookkeeping.keep_frozen``, set in ``pytest_configure``)."""
     gc.collect()
     gc.freeze()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_bitsandbytes_overrides():
+    """bitsandbytes' ``GlobalOptimManager`` is one per process: a real ``Trainer`` with an 8-bit
+    optimizer registers 32-bit overrides in it, which every later 8-bit optimizer of the process
+    reads by parameter position.  Each test starts without them, as a new process does."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    if module is not None:
+        module.GlobalOptimManager.get_instance().initialize()
     yield
 
 

@@ -559,6 +559,79 @@ def test_garbage_collection_threshold_alone_does_nothing():
     assert (s.reserved, s.segments) == (204 * MiB, 6)
 
 
+# --- streams -------------------------------------------------------------------------------------
+# A freed block serves only its allocation stream (BlockComparatorSize orders by stream first;
+# get_free_block fails on another stream's block).
+def test_a_freed_block_serves_only_its_own_stream():
+    a = CachingAllocatorModel()
+    x = a.malloc(30 * MiB, stream=1)
+    a.free(x)
+    a.malloc(30 * MiB)  # stream 0: stream 1's cached 30 MiB segment does not serve it -> a new one
+    assert (a.stats.reserved, a.stats.segments) == (60 * MiB, 2)
+    a.malloc(30 * MiB, stream=1)  # stream 1's own cached block: no new segment
+    assert (a.stats.allocated, a.stats.reserved, a.stats.segments) == (60 * MiB, 60 * MiB, 2)
+
+
+def test_small_segments_belong_to_one_stream():
+    a = CachingAllocatorModel()
+    a.malloc(1000)
+    a.malloc(1000, stream=2)  # the 2 MiB small segment of stream 0 has room, but it is stream 0's
+    assert (a.stats.allocated, a.stats.reserved, a.stats.segments) == (2048, 4 * MiB, 2)
+    assert [seg[2:] for seg in a.snapshot()] == [(), (2,)]  # the side stream's segment says so
+
+
+def test_out_of_memory_retry_frees_every_streams_cache():
+    a = CachingAllocatorModel(capacity=40 * MiB)
+    a.free(a.malloc(30 * MiB, stream=1))
+    # stream 0: nothing cached for it, 30 + 30 MiB > 40 MiB -> release_cached_blocks frees stream
+    # 1's whole free segment (every stream's) and the retry fits: reserved 30 MiB, never 60
+    a.malloc(30 * MiB)
+    assert (a.stats.reserved, a.stats.peak_reserved, a.stats.segments) == (30 * MiB, 30 * MiB, 1)
+
+
+def test_release_available_cached_blocks_stays_within_the_stream():
+    conf = AllocatorConfig.parse("max_split_size_mb:20")
+    a = CachingAllocatorModel(conf, capacity=120 * MiB)
+    a.free(a.malloc(40 * MiB, stream=1))  # an oversize (>= 20 MiB) cached segment of stream 1
+    a.free(a.malloc(60 * MiB))  # and one of stream 0
+    # 30 MiB on stream 0: its 60 MiB block is 20 MiB (max_non_split_rounding_size) or more too big
+    # to serve it; 100 + 30 > 120 -> release_available_cached_blocks frees the smallest oversize
+    # block of stream 0 that is large enough, its 60 MiB (stream 1's 40 MiB is smaller, and not
+    # its) -> 40 + 30 = 70 MiB in two segments
+    a.malloc(30 * MiB)
+    assert (a.stats.reserved, a.stats.segments) == (70 * MiB, 2)
+    b = CachingAllocatorModel(conf, capacity=80 * MiB)
+    b.free(b.malloc(40 * MiB, stream=1))
+    b.free(b.malloc(30 * MiB))
+    # 40 MiB on stream 0: 70 + 40 > 80; stream 0 has no oversize block of 40 MiB, so it frees its
+    # oversize blocks from the largest down, 30 MiB < 40 MiB: false (as in the source, although one
+    # was freed); release_cached_blocks then frees stream 1's too -> 40 MiB in one segment
+    b.malloc(40 * MiB)
+    assert (b.stats.reserved, b.stats.segments) == (40 * MiB, 1)
+
+
+def test_expandable_segments_are_per_stream():
+    a = CachingAllocatorModel(EXP, device_total=GiB)
+    x = a.malloc(30 * MiB)
+    a.malloc(30 * MiB, stream=1)
+    # one expandable segment per stream, each mapping ceil(30 / 20) = 2 pages of 20 MiB
+    assert a.stats.reserved == 80 * MiB
+    a.free(x)
+    # stream 1 again: stream 0's freed 30 MiB is not its; stream 1's segment has 10 MiB free at the
+    # end of its mapped range, followed by unmapped space: one more page maps -> 100 MiB
+    a.malloc(30 * MiB, stream=1)
+    assert (a.stats.allocated, a.stats.reserved) == (60 * MiB, 100 * MiB)
+    assert [(seg[0], seg[2:]) for seg in a.snapshot()] == [
+        (SegmentKind.LARGE_EXPANDABLE, ()), (SegmentKind.LARGE_EXPANDABLE, (1,))]
+
+
+def test_replay_events_may_name_their_stream():
+    events = [("alloc", "a", 30 * MiB, 1), ("free", "a", 0), ("alloc", "b", 30 * MiB), ("alloc", "c", 30 * MiB, 1)]
+    assert (replay(events).reserved, replay(e[:3] for e in events).reserved) == (60 * MiB, 60 * MiB)
+    with pytest.raises(InputError, match="stream"):
+        CachingAllocatorModel().malloc(MiB, stream=-1)
+
+
 # --- snapshot ----------------------------------------------------------------------------------
 def test_snapshot_is_the_layout_up_to_addresses():
     def build(a):

@@ -57,6 +57,13 @@ def test_fsdp2_run_as_written_is_the_modelled_zero3_byte_for_byte():
     params = 3 * (63 * 250 + 63) * F32  # every rank: 63 padded rows of each Linear
     assert run.breakdown[estimator.Category.PARAMETER] == params == 189_756
     assert isinstance(next(model.parameters()), nn.Parameter) and type(model) is _InputOnly  # the user's untouched
+    # on the CUDA target too, streams included: the all-gather outputs on FSDP2's copy-in stream, the
+    # sharded gradients on its reduce-scatter stream, in the capture as in the model
+    cuda = {**common, "device": "cuda"}
+    run = estimator.report(model, sample_fn(8), strategy=Strategy(mesh={"dp_shard": 4}, parallelize=par.fsdp), **cuda)
+    modelled = estimator.report(model, sample_fn(8), strategy=Strategy(data_parallel=4, sharding="zero3"), **cuda)
+    assert [(r.report.cuda.allocated, r.report.cuda.reserved) for r in run.ranks] == \
+        [(r.report.cuda.allocated, r.report.cuda.reserved) for r in modelled.ranks]
 
 
 def test_ranks_are_grouped_by_their_shards_at_1024_ranks():
@@ -90,12 +97,63 @@ def test_a_second_capture_in_the_process_sees_its_own_mesh_only():
     assert peak() == peak()
 
 
-def test_the_cuda_target_says_what_it_leaves_out():
-    """NCCL's buffers and FSDP2's stream pools are not modelled: the report says so, a lower bound."""
+def test_the_cuda_target_replays_fsdp2s_side_streams():
+    """FSDP2 all-gathers into a buffer it allocates on its copy-in stream and reduce-scatters into
+    one on its reduce-scatter stream (``_fsdp_collectives.py``); the caching allocator keeps each
+    stream's freed blocks for that stream.  Every request here is under 1 MiB (the small pool): a
+    2 MiB segment per stream that allocates, where one stream would need two.  NCCL's buffers are
+    not modelled: the report says so, a lower bound."""
+    import dataclasses
+
+    from estimator.devices.cuda_run import replay_run
+    from estimator.vocab.allocator_options import AllocatorConfig
+
     model, sample_fn, loss_fn = _mlp()
     rep = estimator.report(model, sample_fn(4), batch=4, loss_fn=loss_fn,
                            strategy=Strategy(mesh={"dp_shard": 2}, parallelize=par.fsdp))
     assert any("NCCL's own buffers" in n and "lower bound" in n for n in rep.notes)
+    timeline = rep.ranks[0].report.timeline
+    made = {}  # stream -> the bytes its ops allocate
+    for nbytes, _, op, _ in timeline.storages:
+        if op >= 0 and timeline.ops[op].stream:
+            made.setdefault(timeline.ops[op].stream, set()).add(nbytes(4))
+    copy_in, gather, scatter = (
+        {op.stream for op in timeline.ops if op.op == name}
+        for name in ("fsdp.all_gather_copy_in.default", "c10d._allgather_base_.default",
+                     "c10d._reduce_scatter_base_.default"))
+    assert len(copy_in | gather | scatter) == 3 and 0 not in copy_in | gather | scatter
+    # each Linear's all-gather output: 2 ranks x 125 rows (250 over 2) x 251 (250 weights and the
+    # bias) x 4 B; its sharded gradients: the rank's 125 rows x 251 x 4 B
+    assert made == {next(iter(copy_in)): {2 * 125 * 251 * F32}, next(iter(scatter)): {125 * 251 * F32}}
+    one_stream = dataclasses.replace(timeline, ops=tuple(dataclasses.replace(o, stream=0) for o in timeline.ops))
+    MiB = 2**20
+    assert [replay_run(t, 4, AllocatorConfig(), []).stats.peak_reserved for t in (timeline, one_stream)] == [
+        3 * 2 * MiB, 2 * 2 * MiB]
+
+
+def test_cpu_offload_policy():
+    """CPUOffloadPolicy: on the CPU the device is the host, offloading moves nothing (the same
+    peaks as without it; exact on a real gloo job in ``validators.strategies``); pinning host
+    memory needs a CUDA device, so that job cannot run on the CPU; on the CUDA target the shards
+    stay counted on the device, and the report says by how much that over-estimates."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model, sample_fn, loss_fn = _mlp()
+
+    def report(device, offload):
+        fn = functools.partial(par.fsdp, offload_policy=offload)
+        return estimator.report(model, sample_fn(4), batch=4, loss_fn=loss_fn, device=device,
+                                strategy=Strategy(mesh={"dp_shard": 2}, parallelize=fn))
+
+    assert _per_rank(report("cpu", CPUOffloadPolicy(pin_memory=False))) == _per_rank(report("cpu", None))
+    with pytest.raises(InputError, match=r"pin_memory=True.*device='cpu' the job itself fails"):
+        report("cpu", CPUOffloadPolicy())
+    rep = report("cuda", CPUOffloadPolicy())  # pinned: each shard copied into a pinned buffer of its size
+    # the rank's shards: 3 Linears x 125 rows (250 over 2 ranks) x 251 (weights and bias) x 4 B; one
+    # group's (a Linear's) at a time before its all-gather
+    note = next(n for n in rep.notes if n.startswith("CPUOffloadPolicy is NOT modelled"))
+    assert f"({3 * 125 * 251 * F32:,} B on this rank)" in note and f"at most {125 * 251 * F32:,} B" in note
+    assert "over-estimate" in note
 
 
 def test_role_names():

@@ -21,6 +21,7 @@ import sys
 import types
 
 import pytest
+from torch import nn
 from trainer_cases import VOCAB, S, batch_of, config, dataset, gpt2, needs_trainer
 
 import estimator
@@ -175,16 +176,20 @@ def test_optimizer_state_to_the_byte():
 def test_bitsandbytes_8bit_state_on_cuda():
     """``adamw_8bit`` (bitsandbytes' 8-bit AdamW) on the CUDA target: its state as bitsandbytes
     makes it, captured: parameters of 4,096 elements or more keep two uint8 states and an fp32
-    absmax per block of 256, smaller ones two fp32 states; the two 256-entry fp32 quantization
-    maps are shared by every parameter (the CUDA kernel updates in place: nothing else)."""
+    absmax per block of 256, smaller ones two fp32 states, and so do the embeddings, which
+    Trainer's ``create_optimizer`` keeps 32-bit (a ``GlobalOptimManager`` override for each
+    ``nn.Embedding``: without it the 32,768 + 4,096 elements of GPT-2's two were under-counted);
+    the two 256-entry fp32 quantization maps are shared by every parameter (the CUDA kernel
+    updates in place: nothing else)."""
     pytest.importorskip("bitsandbytes")
     from estimator.integrations.training_args import from_training_args
 
-    params = list(gpt2().parameters())
+    model = gpt2()
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     blocks = lambda n: -(-n // 256)  # noqa: E731
-    state = sum(2 * p.numel() + 2 * 4 * blocks(p.numel()) if p.numel() >= 4096 else 2 * 4 * p.numel()
-                for p in params) + 2 * 256 * 4 + 12
-    rep = from_training_args(gpt2(), {"per_device_train_batch_size": 2, "optim": "adamw_8bit"},
+    state = sum(2 * 4 * p.numel() if p.numel() < 4096 or id(p) in embeddings
+                else 2 * p.numel() + 2 * 4 * blocks(p.numel()) for p in model.parameters()) + 2 * 256 * 4 + 12
+    rep = from_training_args(model, {"per_device_train_batch_size": 2, "optim": "adamw_8bit"},
                              batch_of(dataset(2), 2), device="cuda")
     assert rep.breakdown[estimator.Category.OPTIMIZER_STATE] == state
 

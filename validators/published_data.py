@@ -574,14 +574,16 @@ def titan_fsdp(ranks: int) -> Callable[[], Prediction]:
     """torchtitan's own job at 9dec370 (``validators.torchtitan``): its Llama 3.1 8B, its
     ``parallelize_llama`` (op-level SAC, FSDP2 with bf16 parameters and fp32 reduction) run on a
     fake process group of ``ranks`` ranks, its train step and AdamW, 2 sequences of 8,192 tokens
-    per rank."""
+    per rank; the allocator as torchtitan's launcher at that commit sets it (``run_llama_train.sh``:
+    ``PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"``)."""
     from estimator import Strategy
     from validators import torchtitan
 
     def predict() -> Prediction:
         return Prediction(torchtitan.build(), torchtitan.sample(2), {
             "batch": 2, "strategy": Strategy(mesh={"dp_shard": ranks}, parallelize=torchtitan.parallelize),
-            "step": torchtitan.train_step, "optimizer": torchtitan.optimizer})
+            "step": torchtitan.train_step, "optimizer": torchtitan.optimizer,
+            "alloc_conf": "expandable_segments:True"})
 
     return predict
 
@@ -589,14 +591,19 @@ def titan_fsdp(ranks: int) -> Callable[[], Prediction]:
 _TITAN_SETUP = dict(model="Llama 3.1 8B", batch="2 per GPU", seq_len="8192", precision="bf16 parameters, fp32 "
                     "reduce (FSDP2 mixed precision)", optimizer="torch.optim.AdamW (foreach)",
                     stack="torch nightly 1963fc8 (2024-12-23), torchtitan 9dec370; FSDP2, selective AC (op), "
-                          "SDPA (flash)", fxmem_gpu="H100")
+                          "SDPA (flash); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by the launcher, "
+                          "run_llama_train.sh)", fxmem_gpu="H100")
 _TITAN_DIFFERENCES = (
     Difference("logging window", "the memory is the largest max_reserved over a 10-step logging window, read at "
                "the 90th step; fxmem's headline is the first steps from a cold start, its single-step figure one "
                "steady step"),
-    Difference("FSDP2 streams", "FSDP2 all-gathers on its own stream and reduce-scatters on another; the caching "
-               "allocator keeps each stream's freed blocks for that stream, which fxmem's allocator replay (one "
-               "stream) does not model: reserved memory can be higher than predicted"),
+    Difference("stream timing", "FSDP2's side streams are replayed (each stream's freed blocks serve that stream "
+               "only), but not when the GPU is done with a block: a block a collective still uses on NCCL's stream "
+               "(recordStream's events) is not reused until then, and fxmem's replay, which has no timing, reuses it "
+               "at once: reserved memory can be higher than predicted"),
+    Difference("launcher", "the benchmark page does not name its launcher; fxmem assumes torchtitan's own "
+               "(run_llama_train.sh, which sets expandable_segments:True); with the native allocator's segments "
+               "the prediction moves by a few GiB (lower on 8 GPUs, higher on 128)"),
     Difference("NCCL", "the ranks run NCCL (fxmem's capture runs the same FSDP2 code on a fake process group); "
                "NCCL's own buffers are outside the caching allocator and not in max_reserved"),
     Difference("H100 96 GB", "Grand Teton's H100 has 96 GB of HBM2e; fxmem's H100 is the 80 GB HBM3 card (the "
@@ -738,9 +745,11 @@ LIT_ROWS = (
                     precision="bf16-true, NF4 base weights", optimizer="bitsandbytes PagedAdamW", stack=_LIT_STACK),
         quantity=Quantity.ALLOCATED,
         published=Published("14.14 GB", round(14.14 * GB)),
-        not_estimable="bitsandbytes' Linear4bit (NF4 weights and their dequantization kernels) and PagedAdamW "
-                      "(state in CUDA unified memory): no fake/meta kernels for them (bitsandbytes is not installed "
-                      "here)",
+        not_estimable="Llama 2 7B's NF4 weights without the weights: bitsandbytes' Params4bit quantizes real "
+                      "values when it moves to the GPU (never on the meta device), and fxmem has no builder yet of "
+                      "NF4 parameters of the right sizes (packed uint8, absmax and nested absmax) for a model too "
+                      "large to quantize on this host; PagedAdamW's state (CUDA managed memory) and bitsandbytes' "
+                      "4-bit kernels are modelled, and QLoRA with NF4 weights is exact on the CPU (validators.low_bit)",
         differences=(TORCH_21,),
     ),
 )

@@ -159,6 +159,8 @@ def meshes() -> list[Case]:
     """The job's own parallelize function (``models_zoo/parallelize.py``) on a device mesh: the
     capture runs it on a fake process group, each real rank runs it on gloo; ``b`` per rank."""
     from estimator.capture.model_plans import own_plans
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     from models_zoo import parallelize as par
 
     def case(name: str, model: str, mesh: dict, fn, batch: int = 4, **options) -> Case:
@@ -172,6 +174,8 @@ def meshes() -> list[Case]:
         case("mesh: FSDP2 x4 reshard_after_forward=2", "mlp-uneven", {"dp_shard": 4},
              functools.partial(par.fsdp, reshard_after_forward=2)),
         case("mesh: HSDP 2 x 2", "mlp", {"dp_replicate": 2, "dp_shard": 2}, par.fsdp),
+        case("mesh: FSDP2 x2 CPUOffloadPolicy(pin_memory=False) (the CPU is the device)", "mlp", {"dp_shard": 2},
+             functools.partial(par.fsdp, offload_policy=CPUOffloadPolicy(pin_memory=False))),
         case("mesh: FSDP2 x2", "gpt", {"dp_shard": 2}, par.fsdp),
         case("mesh: FSDP2 x2 bf16 params, fp32 reduce", "gpt", {"dp_shard": 2}, functools.partial(par.fsdp, **bf16)),
         case("mesh: TP 2", "llama", {"tp": 2}, par.llama_tp),

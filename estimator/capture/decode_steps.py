@@ -277,7 +277,8 @@ class _Extension:
                     made[key] = _moved(storages[sid], move * step, start + offset)
                     allocs.append(key)
                 ops.append(OpEvent(op.name, op.node, op.phase, op.module, allocs, [],
-                                   tuple(s + m * step for s, m in zip(op.scratch, scratch)), op.kernel, op.owner))
+                                   tuple(s + m * step for s, m in zip(op.scratch, scratch)), op.kernel, op.owner,
+                                   stream=op.stream))
             for (offset, k), fate in pattern.items():
                 if fate is not None and fate[0] == 1:  # the step before's, freed here
                     ops[start + fate[1]].frees.append(previous[offset, k])

@@ -3,8 +3,10 @@
 The process's global module hooks are taken out for the capture (``global_hooks_suspended``: they
 would be handed fake tensors), ``module.to(dtype)`` converts fake parameters as it converts real
 ones (``conversions_as_for_real``), torch's log records and warnings are kept from the user
-(``quiet``: the user's own warnings are issued again), and an exception from deep inside torch
-leaves as an fxmem error that names the op or the user's line (``errors_named``, ``user_frame``).
+(``quiet``: the user's own warnings are issued again), bitsandbytes' process-wide optimizer
+overrides are put back as they were (``optimizer_overrides_kept``), and an exception from deep
+inside torch leaves as an fxmem error that names the op or the user's line (``errors_named``,
+``user_frame``).
 Each is undone on exit.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import traceback
 import warnings
 
@@ -47,6 +50,33 @@ def global_hooks_suspended():
             table.clear()
             table.update(entries)
             table.update(added)
+
+
+@contextlib.contextmanager
+def optimizer_overrides_kept():
+    """bitsandbytes' ``GlobalOptimManager`` is one per process, and transformers' ``Trainer``
+    registers an override in it for each ``nn.Embedding`` when it builds an 8-bit Adam
+    (``register_module_override(module, "weight", {"optim_bits": 32})``, trainer.py
+    ``create_optimizer``); the next optimizer's ``check_overrides`` files it by (group, index)
+    position as well, which every later 8-bit optimizer of the process reads (found in the test
+    suite: after a real Trainer, another model's parameter at such a position kept fp32 state).
+    A capture that builds one for the fake model (``integrations.trainer``, as Trainer does)
+    would leave the user's next optimizers 32-bit at those positions: the manager's state is put
+    back on exit (emptied where bitsandbytes was not loaded before)."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    saved = None
+    if module is not None:  # its tables copied (a capture adds to them in place), the rest as it is
+        saved = {name: value.copy() if isinstance(value, (dict, list)) else value
+                 for name, value in vars(module.GlobalOptimManager.get_instance()).items()}
+    try:
+        yield
+    finally:
+        module = sys.modules.get("bitsandbytes.optim.optimizer")
+        if module is not None:
+            manager = module.GlobalOptimManager.get_instance()
+            manager.initialize()
+            if saved is not None:
+                vars(manager).update(saved)
 
 
 @contextlib.contextmanager

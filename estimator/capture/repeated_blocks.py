@@ -389,7 +389,7 @@ class _Extension:
         return s.nbytes, s.extra, s.category, self._rel(s.owner, pos), born, s.op < 0
 
     def _op_sig(self, op: OpEvent, pos: int) -> tuple:
-        return (op.name, op.phase, self._rel(op.module, pos), self._rel(op.owner, pos), op.scratch,
+        return (op.name, op.phase, op.stream, self._rel(op.module, pos), self._rel(op.owner, pos), op.scratch,
                 op.kernel is None, tuple(self._storage_sig(s, pos) for s in op.allocs),
                 tuple(self._ref_sig(s, pos) for s in op.frees))
 

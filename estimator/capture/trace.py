@@ -78,7 +78,7 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     user (``isolation.quiet``)."""
     libraries.load_imported()  # the entries of the libraries the model or its optimizer imported
     with isolation.quiet(), isolation.conversions_as_for_real(), tracing.as_for_real(), \
-            isolation.global_hooks_suspended() as suspended:
+            isolation.optimizer_overrides_kept(), isolation.global_hooks_suspended() as suspended:
         raw = _capture_steps(model, sample, spec, batch, symbolic, seq_dims)
     if suspended:
         raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
@@ -285,11 +285,12 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     fmodel = fake_model(model, mode, memo)
     repeated_blocks.map_originals(model, memo)  # a shallow copy's: the user's modules it stands for
     corrections.apply_model_rules(spec.target, fmodel)
-    roles = ()
+    roles, offloaded = (), ()
     if device_mesh is not None:  # outside the fake mode: ops on the fake model are fake, the mesh's own stay real
         world.parallelize(spec.strategy.parallelize, fmodel, device_mesh)
         libraries.load_imported()  # FSDP2's ops, where the function imported it
         roles = world.roles(fmodel, spec.strategy.mesh)
+        offloaded = world.offload_notes(fmodel, spec.target.is_cuda)
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)
@@ -365,7 +366,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
-    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
+    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed) + offloaded
     notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "

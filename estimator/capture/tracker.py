@@ -65,6 +65,7 @@ class OpEvent:
     # the storages of its tensor arguments (not in lists), tracked ones only: an op outside the blocks
     # that takes a block's tensor (a loop over every block's parameters at the root) is that block's work
     takes: tuple[int, ...] = ()
+    stream: int = 0  # the stream it runs on, which its outputs and scratch are allocated on (0: the default)
 
 
 RESIZE = "storage.resize_"  # the op of a storage's ``resize_()`` (``Tracker.resized``)
@@ -162,6 +163,8 @@ class Tracker(TorchDispatchMode):
         self.bar = progress.SILENT  # the ops recorded, for a progress bar (``vocab.progress``)
         self.records_takes = False  # OpEvent.takes, for a shallow copy's capture (``repeated_blocks``) only
         self._paused = 0  # > 0 while DTensor computes output metadata (``_hooks``): nothing is recorded
+        self._default_stream = torch.cpu.current_stream()
+        self._streams: dict[object, int] = {}  # side streams met (``_stream``) -> their numbers
 
     def __enter__(self):
         self._engine = self.sums.engine()
@@ -215,7 +218,7 @@ class Tracker(TorchDispatchMode):
         if not storage.nbytes():
             return
         self.flush()
-        self.ops.append(event := OpEvent(RESIZE, "", self.phase, self._current_module()))
+        self.ops.append(event := OpEvent(RESIZE, "", self.phase, self._current_module(), stream=self._stream()))
         category = Category.TEMPORARY if entry is None else self.storages[entry[0]].category
         event.allocs.append(self._track(storage, category, len(self.ops) - 1))
 
@@ -244,6 +247,17 @@ class Tracker(TorchDispatchMode):
         self.storages[key] = Storage(as_expr(storage.nbytes()), category, op, as_expr(extra))
         self._alive[address] = (key, weakref.ref(storage, lambda _, a=address: self._free(a)))
         return key
+
+    def _stream(self) -> int:
+        """The stream the program is on: 0 for the default one, else its number in the order the
+        capture first met it.  The capture's tensors are on the CPU, where ``torch.cpu.stream(s)``
+        selects ``s`` as on CUDA (``torch/cpu/__init__.py``), so device-agnostic code that runs
+        work on a side stream (FSDP2's all-gather copy-in and reduce-scatter streams,
+        ``_fsdp_collectives.py``) says so here as it would on the GPU."""
+        stream = torch.cpu.current_stream()
+        if stream is self._default_stream:
+            return 0
+        return self._streams.setdefault(stream, len(self._streams) + 1)
 
     def _free(self, address: int) -> None:
         entry = self._alive.pop(address, None)
@@ -389,7 +403,8 @@ class Tracker(TorchDispatchMode):
         fix = corrections.lookup(func, args, kwargs, out, self.spec)
         if fix.outputs is not None:
             out = fix.outputs
-        event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module)
+        event = OpEvent(str(func), self.recorder.record(func, args, kwargs, out).name, self.phase, module,
+                        stream=self._stream())
         index = len(self.ops)
         self.ops.append(event)
         self.bar.update()

@@ -34,7 +34,7 @@ def joined(mesh: tuple[tuple[str, int], ...], rank: int) -> Iterator:
     """This process as rank ``rank`` of a fake process group of the mesh's size; yields the
     ``DeviceMesh`` (``mesh``: ``(dim name, size)`` pairs, outermost first).  Its device is the
     CPU, where the capture's fake tensors live on either target (the CUDA target follows CUDA's
-    kernels on them, not its streams)."""
+    kernels on them; ``torch.cpu``'s streams stand for CUDA's, ``Tracker._stream``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -79,11 +79,13 @@ def notes(mesh: tuple[tuple[str, int], ...], cuda: bool) -> tuple[str, ...]:
     if not cuda:
         return (common + "; gloo's buffers around each collective are counted (ProcessGroupGloo.cpp), memory gloo "
                 "allocates outside PyTorch's CPU allocator is not",)
-    return (common + "; on the CUDA target the collectives are counted as the step's tensors only: NCCL's own "
-            "buffers (outside the caching allocator, per communicator: NCCL_BUFFSIZE, 4 MiB by default, per channel "
-            "and peer; nvidia-smi shows them, max_memory_allocated does not) and the caching allocator's separate "
-            "pools for FSDP2's all-gather and reduce-scatter streams (its reserved memory can be higher) are NOT "
-            "modelled yet: treat the device figure as a lower bound",)
+    return (common + "; on the CUDA target the caching allocator keeps a pool per stream, and the allocations "
+            "your job makes on side streams (FSDP2's all-gather copy-in and reduce-scatter streams) are replayed on "
+            "theirs; the collectives are counted as the step's tensors only: NCCL's own buffers (outside the caching "
+            "allocator, per communicator: NCCL_BUFFSIZE, 4 MiB by default, per channel and peer; nvidia-smi shows "
+            "them, max_memory_allocated does not) are NOT modelled, nor is a freed block that the GPU still uses on "
+            "another stream waiting for it (recordStream's events: timing, which the replay does not have): treat "
+            "the device figure as a lower bound",)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +123,42 @@ def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
         raise InputError(f"Strategy(parallelize={function_name(fn)}) returned a new object ({type(out).__name__}); "
                          "fxmem estimates the model it hands the function, changed in place (as fully_shard and "
                          "parallelize_module change it): return None or the model")
+
+
+def offload_notes(model: nn.Module, cuda: bool) -> tuple[str, ...]:
+    """What ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` leaves out, for the report's
+    notes; an :class:`InputError` where the job itself cannot run.  FSDP2 keeps an offloaded
+    parameter's shard in host memory (``_fsdp_param.py``: ``padded_sharded_param.cpu()``, pinned
+    with ``pin_memory=True``), copies it to the device before each all-gather (``all_gather_inputs``:
+    ``.to(self.device, non_blocking=True)``), moves each reduced gradient back to the host
+    (``_fsdp_collectives.py``, ``foreach_reduce``) and the optimizer steps on the CPU.  On the
+    capture's CPU mesh those copies are no-ops, so the CUDA target counts the shards, their
+    gradients and their optimizer state as device memory: an over-estimate, said with its size."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []  # per FSDP parameter group: the offloaded shards (bytes) and whether they are pinned
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        params = [p for p in (group.fsdp_params if group is not None else ()) if p.offload_to_cpu]
+        if params:
+            groups.append((sum(p._sharded_param_data.untyped_storage().nbytes() for p in params),
+                           any(p.pin_memory for p in params)))
+    if not groups:
+        return ()
+    if not cuda and any(pinned for _, pinned in groups):
+        raise InputError("CPUOffloadPolicy(pin_memory=True) pins host memory for a CUDA device: with "
+                         "device='cpu' the job itself fails (FSDP2's pin_memory(): 'Cannot access accelerator device "
+                         "when none is available'); estimate it with device='cuda', or use "
+                         "CPUOffloadPolicy(pin_memory=False) on the CPU")
+    if not cuda:  # the CPU is the device: offloading moves nothing
+        return ()
+    shards = sum(nbytes for nbytes, _ in groups)
+    return (f"CPUOffloadPolicy is NOT modelled on the CUDA target: in your job the offloaded parameter shards "
+            f"({shards:,} B on this rank), their gradients and their optimizer state live in host memory and the "
+            "optimizer steps on the CPU; fxmem's capture (on a CPU mesh, where FSDP2's host-device copies do "
+            "nothing) counts all of it on the device, and leaves out the device copy FSDP2 makes of one group's "
+            f"shards before its all-gather (at most {max(nbytes for nbytes, _ in groups):,} B at a time, less than "
+            "the shards counted): the device figure is an over-estimate",)
 
 
 def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:

@@ -1,6 +1,6 @@
 """A replay model of PyTorch's CUDA caching allocator (the native backend).
 
-Given allocation requests and frees as a program makes them on one CUDA stream, this predicts
+Given allocation requests and frees as a program makes them, each on its CUDA stream, this predicts
 what ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_*`` peaks report.
 It follows ``DeviceCachingAllocator`` in ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch
 2.11-2.13) and the option parsing of ``c10/core/AllocatorConfig.cpp``
@@ -53,8 +53,17 @@ cuMemCreate fail beyond it); ``device_total`` is ``totalGlobalMem`` (defaults to
 which sizes the memory fraction (``allowed_memory_maximum = fraction x device_total``) and the
 address space of an expandable segment.
 
-Not modelled (and why): multiple streams, ``record_stream`` and the cross-stream events
-(``process_events``, ``insert_events``) -- the input is one stream's sequence; CUDA-graph and
+Streams: each allocation names the stream it is made on (0: the default stream).  As in the
+source, a freed block goes back to its allocation stream's free list and only serves requests on
+that stream (``BlockComparatorSize`` orders a pool's free blocks by stream, size, address;
+``get_free_block``, ``release_available_cached_blocks`` and ``find_expandable_block`` stay within
+the stream, and an expandable segment belongs to one stream); ``release_cached_blocks`` and the
+garbage collection take every stream's.  Which stream the program allocates on comes from the
+program (FSDP2's all-gather copy-in and reduce-scatter streams, ``estimator.capture.tracker``).
+
+Not modelled (and why): ``record_stream`` and the cross-stream events (``process_events``,
+``insert_events``), which hold a freed block back until the GPU has passed an event -- a matter
+of timing, which a sequence of requests does not have: a block is reusable once freed; CUDA-graph and
 user memory pools (``MemPool``, ``use_mem_pool``, ``try_mempool_fallback``); options changed at
 run time (``torch.cuda.memory._set_allocator_settings``, so never a mix of expandable and plain
 segments) and ``torch.cuda.set_per_process_memory_fraction`` (set the config's
@@ -224,6 +233,7 @@ class _Block:
     size: int
     addr: int
     small: bool  # owning pool: small_blocks or large_blocks
+    stream: int = 0  # the allocation stream (0: the default stream)
     allocated: bool = False
     requested: int = 0
     prev: _Block | None = None
@@ -246,39 +256,54 @@ class _Block:
 
 
 class _Pool:
-    """``BlockPool``: free blocks ordered by (size, address) (one stream), ``unmapped`` address
-    space of expandable segments ordered by address, and the garbage-collection clock."""
+    """``BlockPool``: free blocks ordered by (stream, size, address) (``BlockComparatorSize``),
+    ``unmapped`` address space of expandable segments ordered by (stream, address)
+    (``BlockComparatorAddress``), and the garbage-collection clock (one for all streams)."""
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[tuple[int, int], _Block] = {}
-        self.unmapped_addrs: list[int] = []
-        self.unmapped: dict[int, _Block] = {}
+        self.keys: list[tuple[int, int, int]] = []
+        self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.unmapped_keys: list[tuple[int, int]] = []
+        self.unmapped: dict[tuple[int, int], _Block] = {}
         self.get_free_blocks_call_count = 0
 
     def insert(self, b: _Block) -> None:
         """``insert_into_blocks``: cache a free block and note when (its age starts at 0)."""
         b.gc_count_base = self.get_free_blocks_call_count
-        key = (b.size, b.addr)
+        key = (b.stream, b.size, b.addr)
         bisect.insort(self.keys, key)
         self.blocks[key] = b
 
     def erase(self, b: _Block) -> None:
-        key = (b.size, b.addr)
+        key = (b.stream, b.size, b.addr)
         del self.keys[bisect.bisect_left(self.keys, key)]
         del self.blocks[key]
 
-    def lower_bound(self, size: int) -> int:
-        return bisect.bisect_left(self.keys, (size, -1))
+    def lower_bound(self, stream: int, size: int) -> int:
+        """``blocks.lower_bound`` with the search key (``stream``, ``size``): where ``stream``'s
+        first free block of at least ``size`` bytes is, if there is one (``block_of`` says)."""
+        return bisect.bisect_left(self.keys, (stream, size, -1))
+
+    def block_of(self, idx: int, stream: int) -> _Block | None:
+        """The free block at ``idx`` if it is one of ``stream``'s."""
+        if idx < 0 or idx >= len(self.keys) or self.keys[idx][0] != stream:
+            return None
+        return self.blocks[self.keys[idx]]
+
+    def unmapped_of(self, stream: int) -> list[_Block]:
+        """``stream``'s unmapped blocks in address order."""
+        start = bisect.bisect_left(self.unmapped_keys, (stream, -1))
+        end = bisect.bisect_left(self.unmapped_keys, (stream + 1, -1))
+        return [self.unmapped[key] for key in self.unmapped_keys[start:end]]
 
     def insert_unmapped(self, b: _Block) -> None:
-        bisect.insort(self.unmapped_addrs, b.addr)
-        self.unmapped[b.addr] = b
+        bisect.insort(self.unmapped_keys, (b.stream, b.addr))
+        self.unmapped[b.stream, b.addr] = b
 
     def erase_unmapped(self, b: _Block) -> None:
-        del self.unmapped_addrs[bisect.bisect_left(self.unmapped_addrs, b.addr)]
-        del self.unmapped[b.addr]
+        del self.unmapped_keys[bisect.bisect_left(self.unmapped_keys, (b.stream, b.addr))]
+        del self.unmapped[b.stream, b.addr]
 
     def gc_count(self, b: _Block) -> int:
         """``Block::gc_count``: get_free_block calls on this pool since ``b`` was cached."""
@@ -378,14 +403,17 @@ class CachingAllocatorModel:
         """``allocated_bytes.all.peak`` (``stats.peak_allocated`` without building the stats)."""
         return self._allocated.peak
 
-    def malloc(self, nbytes: int) -> int:
-        """``malloc``: returns a handle for :meth:`free`.  0 bytes allocate nothing
-        (``NativeCachingAllocator::allocate`` returns a null pointer)."""
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """``malloc`` on ``stream`` (0: the default stream; others any non-negative int): returns
+        a handle for :meth:`free`.  0 bytes allocate nothing (``NativeCachingAllocator::allocate``
+        returns a null pointer)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InputError(f"allocation size must be a non-negative int, got {nbytes!r}")
+        if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+            raise InputError(f"a stream must be a non-negative int, got {stream!r}")
         handle = self._next_handle
         self._next_handle += 1
-        self._live[handle] = self._malloc(nbytes) if nbytes else None
+        self._live[handle] = self._malloc(nbytes, stream) if nbytes else None
         return handle
 
     def free(self, handle: int) -> None:
@@ -411,12 +439,13 @@ class CachingAllocatorModel:
         unmap every wholly free page of the expandable segments."""
         self._release_cached_blocks()
 
-    def snapshot(self) -> tuple[tuple[SegmentKind, tuple[tuple[int, bool | None], ...]], ...]:
+    def snapshot(self) -> tuple[tuple, ...]:
         """The segment layout, up to address renaming: for each segment in address order its
-        :class:`SegmentKind` and its blocks in address order as ``(size, allocated)``;
-        ``allocated`` is None for unmapped address space of an expandable segment (its trailing
-        unmapped block is the rest of the virtual range).  Two models have equal snapshots iff
-        their layouts are equal.  O(blocks + segments log segments).
+        :class:`SegmentKind`, its blocks in address order as ``(size, allocated)`` and, for a
+        segment of a stream other than the default one, that stream; ``allocated`` is None for
+        unmapped address space of an expandable segment (its trailing unmapped block is the rest
+        of the virtual range).  Two models have equal snapshots iff their layouts are equal.
+        O(blocks + segments log segments).
 
         Garbage-collection ages (``gc_count``) are not part of it: with a threshold active, two
         equal layouts may still differ in which cached segments the next collection frees.
@@ -437,7 +466,7 @@ class CachingAllocatorModel:
             while b is not None:
                 seg.append((b.size, b.allocated if b.mapped else None))
                 b = b.next
-            layout.append((kind, tuple(seg)))
+            layout.append((kind, tuple(seg)) if head.stream == 0 else (kind, tuple(seg), head.stream))
         return tuple(layout)
 
     # --- DeviceCachingAllocator internals ------------------------------------------------
@@ -448,20 +477,20 @@ class CachingAllocatorModel:
         """``allowed_memory_maximum.has_value() && garbage_collection_threshold() > 0``."""
         return self.allowed is not None and self.cfg.garbage_collection_threshold > 0.0
 
-    def _malloc(self, orig_size: int) -> _Block:
+    def _malloc(self, orig_size: int, stream: int) -> _Block:
         size = round_size(orig_size, self.cfg)
         pool = self._small if size <= K_SMALL_SIZE else self._large  # get_pool
         alloc_size = get_allocation_size(size)
-        block = self._get_free_block(pool, size)
+        block = self._get_free_block(pool, size, stream)
         if block is None:
             if self._gc_active():
                 self._garbage_collect_cached_blocks()
-            block = self._alloc_block(pool, size, alloc_size)
-            if block is None and self._release_available_cached_blocks(pool, size):
-                block = self._alloc_block(pool, size, alloc_size)
+            block = self._alloc_block(pool, size, alloc_size, stream)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(pool, size, alloc_size)
+                block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 limits = [x for x in (self.capacity, self.allowed) if x is not None]
                 # no limit at all: the request is larger than an expandable virtual range
@@ -482,8 +511,9 @@ class CachingAllocatorModel:
             return remaining >= K_MIN_BLOCK_SIZE
         return size < self.cfg.max_split_size and remaining > K_SMALL_SIZE
 
-    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``get_free_block``: best fit (lower_bound on (size, address)); among blocks of an
+    def _get_free_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        """``get_free_block``: best fit among ``stream``'s free blocks (lower_bound on (stream,
+        size, address)); among blocks of an
         expandable segment, a block that can grow into unmapped space counts with that space
         (``expandable_size``), so a later block that is smaller by that measure is preferred;
         an oversize block (>= max_split_size) only serves a request >= max_split_size that is
@@ -491,15 +521,15 @@ class CachingAllocatorModel:
         garbage-collection clock when collection is active."""
         if self._gc_active():
             pool.get_free_blocks_call_count += 1
-        idx = pool.lower_bound(size)
-        if idx == len(pool.keys):
+        idx = pool.lower_bound(stream, size)
+        block = pool.block_of(idx, stream)
+        if block is None:
             return None
-        block = pool.blocks[pool.keys[idx]]
         # Blocks of expandable segments exist only with expandable_segments:True here (the
         # option is fixed for a model), so the "turned off since" branch of the source is moot.
-        while block.segment is not None and idx + 1 < len(pool.keys):
-            nxt = pool.blocks[pool.keys[idx + 1]]
-            if _expandable_size(nxt) >= _expandable_size(block):
+        while block.segment is not None:
+            nxt = pool.block_of(idx + 1, stream)
+            if nxt is None or _expandable_size(nxt) >= _expandable_size(block):
                 break
             idx += 1
             block = nxt
@@ -511,7 +541,7 @@ class CachingAllocatorModel:
         pool.erase(block)
         return block
 
-    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> _Block | None:
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, stream: int) -> _Block | None:
         """``alloc_block``: refused when the memory fraction's cap would be exceeded by
         ``alloc_size`` -- also for an expandable segment, which maps whole pages instead, so
         there reserved may end up to a page short of 20 MiB above the cap, as in PyTorch; then
@@ -520,20 +550,20 @@ class CachingAllocatorModel:
         if self.allowed is not None and self._reserved.current + alloc_size > self.allowed:
             return None
         if self.cfg.expandable_segments:
-            return self._try_allocate_expandable_block(pool, size)
+            return self._try_allocate_expandable_block(pool, size, stream)
         if self.capacity is not None and self._reserved.current + alloc_size > self.capacity:
             return None
-        block = _Block(size=alloc_size, addr=self._next_addr, small=pool.small)
+        block = _Block(size=alloc_size, addr=self._next_addr, small=pool.small, stream=stream)
         self._next_addr += alloc_size
         self._segments += 1
         self._reserved.increase(alloc_size)
         return block
 
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``find_expandable_block``: the lowest-address unmapped block (or the free block just
-        before it) from which free and unmapped blocks span ``size`` bytes; else a new expandable
-        segment (its whole virtual range one unmapped block), or None when even that is smaller
-        than ``size``."""
+    def _find_expandable_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        """``find_expandable_block``: ``stream``'s lowest-address unmapped block (or the free
+        block just before it) from which free and unmapped blocks span ``size`` bytes; else a new
+        expandable segment of ``stream`` (its whole virtual range one unmapped block), or None
+        when even that is smaller than ``size``."""
 
         def has_available_address_space(b: _Block | None) -> bool:
             nbytes = 0
@@ -543,8 +573,7 @@ class CachingAllocatorModel:
                 b = b.next
             return nbytes >= size
 
-        for addr in pool.unmapped_addrs:
-            c = pool.unmapped[addr]
+        for c in pool.unmapped_of(stream):
             if _allocatable(c.prev):
                 assert c.prev is not None
                 c = c.prev
@@ -557,7 +586,7 @@ class CachingAllocatorModel:
             return None
         self._next_addr += es.size()
         self._expandable_segments.append(es)
-        candidate = _Block(size=es.size(), addr=es.base, small=pool.small, mapped=False,
+        candidate = _Block(size=es.size(), addr=es.base, small=pool.small, stream=stream, mapped=False,
                            segment=es)
         pool.insert_unmapped(candidate)
         return candidate
@@ -575,8 +604,8 @@ class CachingAllocatorModel:
         pool.erase_unmapped(to_map)
         to_map.mapped = True
         if mapped < to_map.size:  # to_map -> remaining -> to_map.next
-            remaining = _Block(size=to_map.size - mapped, addr=to_map.addr + mapped,
-                               small=to_map.small, mapped=False, segment=to_map.segment)
+            remaining = _Block(size=to_map.size - mapped, addr=to_map.addr + mapped, small=to_map.small,
+                               stream=to_map.stream, mapped=False, segment=to_map.segment)
             remaining.splice(to_map, to_map.next)
             pool.insert_unmapped(remaining)
             to_map.size = mapped
@@ -586,11 +615,11 @@ class CachingAllocatorModel:
         self._reserved.increase(mapped)
         return True
 
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
+    def _try_allocate_expandable_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
         """``try_allocate_expandable_block``: map pages from the candidate on until one free
         block of at least ``size`` bytes exists; take it out of the pool.  A failed map leaves
         the pages already mapped in this call mapped (and cached)."""
-        candidate = self._find_expandable_block(pool, size)
+        candidate = self._find_expandable_block(pool, size, stream)
         if candidate is None:
             return None
         # candidate: unmapped -> None | unmapped -> free -> ... | free -> unmapped -> ...
@@ -611,7 +640,7 @@ class CachingAllocatorModel:
         """``alloc_found_block``: split off the front ``size`` bytes if asked, mark allocated."""
         if split_remainder:
             remaining = block
-            block = _Block(size=size, addr=remaining.addr, small=remaining.small,
+            block = _Block(size=size, addr=remaining.addr, small=remaining.small, stream=remaining.stream,
                            prev=remaining.prev, next=remaining, segment=remaining.segment)
             if block.prev is not None:
                 block.prev.next = block
@@ -672,13 +701,13 @@ class CachingAllocatorModel:
         pool.erase(block)
         before_size = ptr - block.addr
         if before_size > 0:  # prev -> before_free -> block
-            before_free = _Block(size=before_size, addr=block.addr, small=block.small,
+            before_free = _Block(size=before_size, addr=block.addr, small=block.small, stream=block.stream,
                                  segment=block.segment)
             before_free.splice(block.prev, block)
             pool.insert(before_free)
         after_size = block.size - (before_size + unmapped)
         if after_size > 0:  # block -> after_free -> next
-            after_free = _Block(size=after_size, addr=ptr + unmapped, small=block.small,
+            after_free = _Block(size=after_size, addr=ptr + unmapped, small=block.small, stream=block.stream,
                                 segment=block.segment)
             after_free.splice(block, block.next)
             pool.insert(after_free)
@@ -710,23 +739,24 @@ class CachingAllocatorModel:
             if not block.is_split():
                 self._release_expandable_segment(pool, block)
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
-        """``release_available_cached_blocks``: with max_split_size set, cudaFree the smallest
-        oversize block that is big enough, else oversize blocks from the largest down (blocks of
-        expandable segments are skipped)."""
+    def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int) -> bool:
+        """``release_available_cached_blocks``: with max_split_size set, cudaFree ``stream``'s
+        smallest oversize block that is big enough, else its oversize blocks from the largest
+        down (blocks of expandable segments are skipped)."""
         mss = self.cfg.max_split_size
         if mss == SIZE_MAX:
             return False
         key_size = max(size, mss)
-        idx = pool.lower_bound(key_size)
-        if idx < len(pool.keys) and pool.blocks[pool.keys[idx]].segment is None:
-            self._release_block(pool, pool.blocks[pool.keys[idx]])
+        idx = pool.lower_bound(stream, key_size)
+        found = pool.block_of(idx, stream)
+        if found is not None and found.segment is None:
+            self._release_block(pool, found)
             return True
         released = 0
         idx -= 1
-        while idx >= 0 and released < key_size:
-            block = pool.blocks[pool.keys[idx]]
-            if block.size < mss:
+        while released < key_size:
+            block = pool.block_of(idx, stream)
+            if block is None or block.size < mss:
                 break
             idx -= 1
             if block.segment is None:
@@ -773,21 +803,22 @@ class CachingAllocatorModel:
                     self._release_block(pool, block)
 
 
-def replay(events: Iterable[tuple[str, Hashable, int]], cfg: AllocatorConfig | None = None,
+def replay(events: Iterable[tuple], cfg: AllocatorConfig | None = None,
            capacity: int | None = None, *, device_total: int | None = None) -> AllocatorStats:
-    """Replay ``("alloc", key, nbytes)`` / ``("free", key, 0)`` events; return the final stats
-    (``peak_*`` are what ``torch.cuda.max_memory_*`` report after the sequence)."""
+    """Replay ``("alloc", key, nbytes)`` (or ``("alloc", key, nbytes, stream)``) / ``("free",
+    key, 0)`` events; return the final stats (``peak_*`` are what ``torch.cuda.max_memory_*``
+    report after the sequence)."""
     alloc = CachingAllocatorModel(cfg, capacity, device_total=device_total)
     handles: dict[Hashable, int] = {}
     for n, event in enumerate(events):
         try:
-            op, key, nbytes = event
+            op, key, nbytes, *stream = event
         except (TypeError, ValueError):
             raise InputError(f"event {n} must be (op, key, nbytes), got {event!r}") from None
         if op == "alloc":
             if key in handles:
                 raise InputError(f"event {n}: key {key!r} is allocated twice without a free")
-            handles[key] = alloc.malloc(nbytes)
+            handles[key] = alloc.malloc(nbytes, *stream[:1])
         elif op == "free":
             if key not in handles:
                 raise InputError(f"event {n}: free of key {key!r} that is not allocated")

@@ -27,8 +27,10 @@ so (``Run.repeated`` False).
 Where the state comes from is ``Timeline.births`` (``estimator.capture.phases.mark_births``) and
 ``Timeline.marks`` (the ops where each ``optimizer.step()`` starts and the built-in step's model
 call returns).  A timeline without them (a strategy's per-rank step) loads all of its state
-first, in storage order.  A user's step function returns before the next starts: what it
-returns is freed at once.  Not modelled: the allocations of a transformers ``from_pretrained``
+first, in storage order.  Each op's outputs and scratch are allocated on its stream
+(``OpMemory.stream``: FSDP2 all-gathers and reduce-scatters on side streams), whose freed blocks
+serve that stream only; the state the run loads or makes lazily is on the default stream.  A
+user's step function returns before the next starts: what it returns is freed at once.  Not modelled: the allocations of a transformers ``from_pretrained``
 load (its order and temporaries; the parameters are placed as ``.to()`` places them), and
 optimizers with several parameter groups make each group's state just before that group's
 update, not all at the start of ``step()``.
@@ -88,9 +90,9 @@ def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int
     previous: list[tuple[int, int]] = []  # the previous step's output and loss: (handle, bytes)
     carried = [0, 0]  # bytes in ``previous`` now, and when the allocated peak was last raised
 
-    def new(key: Hashable, nbytes: int) -> None:
+    def new(key: Hashable, nbytes: int, stream: int = 0) -> None:
         peak = alloc.peak_allocated
-        handles[key] = alloc.malloc(nbytes)
+        handles[key] = alloc.malloc(nbytes, stream)
         if alloc.peak_allocated > peak:
             carried[1] = carried[0]
 
@@ -125,10 +127,11 @@ def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int
                 previous, carried[0] = [], 0
             if i == len(timeline.ops):
                 break
+            stream = timeline.ops[i].stream
             for key in plan.allocs.get(i, ()):
-                new(key, plan.sizes[key])
+                new(key, plan.sizes[key], stream)
             if plan.scratch[i]:
-                new("scratch", plan.scratch[i])
+                new("scratch", plan.scratch[i], stream)
                 drop("scratch")
             for key in plan.frees.get(i, ()):
                 drop(key)

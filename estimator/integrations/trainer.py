@@ -360,7 +360,18 @@ def _trainer_built(cls, kwargs: dict[str, Any], groups: list[dict[str, Any]], mo
     for key in ("params", "model", "optimizer_dict"):
         if key in kwargs:
             groups = kwargs.pop(key)
-    return cls(groups, **kwargs)
+    optimizer = cls(groups, **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        # trainer.py create_optimizer: an 8-bit bitsandbytes optimizer keeps 32-bit state for every
+        # nn.Embedding's weight (bitsandbytes' GlobalOptimManager override, read at its first step;
+        # the capture puts the manager back as it was, ``isolation.optimizer_overrides_kept``)
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 def import_transformers():

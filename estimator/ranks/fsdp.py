@@ -60,9 +60,11 @@ NOT_MODELLED:
   ``reshard_after_forward`` as an int, ``set_requires_gradient_sync(False)`` (accumulation
   is modelled with a reduce-scatter every micro-batch, FSDP2's default), tied parameters
   shared between units (a shared parameter belongs to the first unit that holds it);
-- the CUDA target is not validated: there the rules are those above (one stream's order)
-  without gloo's flat temporaries; NCCL's own buffers and the caching allocator's stream
-  reuse rules for the all-gather / reduce-scatter streams are not modelled;
+- the CUDA target is not validated: there the rules are those above without gloo's flat
+  temporaries, the all-gather outputs on FSDP2's copy-in stream and the sharded gradients on
+  its reduce-scatter stream (``_fsdp_collectives.py``; the caching allocator keeps each stream's
+  blocks apart: the same streams a capture of the real code records, ``Tracker._stream``);
+  NCCL's own buffers are not modelled;
 - with checkpointing, the capture labels recomputed backward ops by module only roughly:
   a unit's backward span is taken as the ops labelled with it or producing its gradients.
 """
@@ -83,6 +85,9 @@ from estimator.vocab.symbolic import Poly
 # gloo's ReduceOp.AVG divides the reduced chunk in place by the world size: a wrapped double
 # scalar (8 B) and its fp32 copy (4 B) live on top of the collective's flat temporary
 GLOO_AVG_SCALARS = 8 + 4
+# FSDP2's all-gather copy-in and reduce-scatter streams, numbered as a capture of the real code numbers
+# them (``Tracker._stream``: in the order met; the all-gather stream, 2, allocates nothing)
+COPY_IN_STREAM, REDUCE_SCATTER_STREAM = 1, 3
 MESH_RANK_MAP_BYTES = 4  # per rank: torch.int
 
 
@@ -282,7 +287,8 @@ def _gather(edits: _Edits, place, unit: _Unit, n: int, phase: Phase, what: str) 
     """All-gather ``unit`` (ops made by ``place``): returns the output block; gloo's temporary
     of the output's size is scratch of a second op, the collective."""
     nbytes = n * unit.shard
-    gather = place(Op(f"FSDP::all_gather{what} ({unit.path or 'root'})", None, phase, unit.path))
+    gather = place(Op(f"FSDP::all_gather{what} ({unit.path or 'root'})", None, phase, unit.path,
+                      stream=COPY_IN_STREAM))
     place(Op(f"gloo:all_gather ({unit.path or 'root'})", None, phase, unit.path,
              scratch=(Poly.const(nbytes),) if edits.gloo else ()))
     out = Block(Poly.const(nbytes), Category.COMMUNICATION, gather, None)
@@ -380,7 +386,8 @@ def _backward(edits: _Edits, step: RankStep, ops: list[Op], bwd: list[int], us: 
             edits.held.free = reduce
             edits.held, edits.held_after_forward = None, False
         scatter = where(Op(f"gloo:reduce_scatter ({u.path or 'root'})", None, Phase.BACKWARD, u.path,
-                           scratch=(Poly.const(n * shard + GLOO_AVG_SCALARS),) if edits.gloo else ()))
+                           scratch=(Poly.const(n * shard + GLOO_AVG_SCALARS),) if edits.gloo else (),
+                           stream=REDUCE_SCATTER_STREAM))
         with_grad = [p for p in reduced if grads.get(p.name)]
         for p in with_grad:
             for g in grads[p.name]:

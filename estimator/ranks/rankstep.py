@@ -29,6 +29,7 @@ class Op:
     module: str
     scratch: tuple[Poly, ...] = ()
     owner: str | None = None  # optimizer phase: the parameter it updates
+    stream: int = 0  # the stream it runs on (``OpMemory.stream``)
 
 
 @dataclass(eq=False)
@@ -52,7 +53,7 @@ class RankStep:
 
     @classmethod
     def of(cls, timeline: Timeline) -> RankStep:
-        ops = [Op(o.op, o.node, o.phase, o.module, o.scratch, o.owner) for o in timeline.ops]
+        ops = [Op(o.op, o.node, o.phase, o.module, o.scratch, o.owner, o.stream) for o in timeline.ops]
         owners = timeline.owners or (None,) * len(timeline.storages)
         blocks = [
             Block(nbytes, category, ops[op] if op >= 0 else None, None if freed is None else ops[freed], owner)
@@ -107,7 +108,7 @@ class RankStep:
                 current[_INDEX[b.category]] += b.nbytes
                 total += b.nbytes
             ops.append(OpMemory(i, o.op, o.node, o.phase, o.module, tuple(current), tuple(allocated), o.scratch,
-                                total, o.owner))
+                                total, o.owner, o.stream))
             for b in frees.get(i, ()):
                 current[_INDEX[b.category]] -= b.nbytes
                 total -= b.nbytes

@@ -17,9 +17,22 @@ has its own kernel (``_chunk_cat_cuda``: no copies).
 from __future__ import annotations
 
 import torch
+from torch._subclasses import fake_impls
 
 from estimator.corrections.registry import Fix, bind, correction, nbytes
 from estimator.vocab.categories import Target
+
+# CPUOffloadPolicy(pin_memory=True): FSDPParam pins each sharded parameter when it shards it
+# (``_fsdp_param.py``: ``padded_sharded_param.pin_memory()``), and fake tensors refuse ``_pin_memory``
+# (``torch/_subclasses/fake_impls.py`` lists it among its "NYI" ops).  Pinning copies the tensor into a
+# new page-locked host buffer of its size (``aten/src/ATen/native/Memory.cpp``, ``_pin_memory``:
+# ``empty`` with the pinned allocator, then ``copy_``): the fake kernel makes that buffer, in the
+# table fake tensors look their kernels up in (a replacement of its NYI entry).
+def _pin_memory_fake(fake_mode, func, self: torch.Tensor, device=None) -> torch.Tensor:
+    return torch.empty_like(self, memory_format=torch.contiguous_format)
+
+
+fake_impls.op_implementations_dict[torch.ops.aten._pin_memory.default] = _pin_memory_fake
 
 
 @correction(torch.ops.fsdp.chunk_cat.default, targets=Target.CPU)
