@@ -127,11 +127,10 @@ def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int
                 previous, carried[0] = [], 0
             if i == len(timeline.ops):
                 break
-            stream = timeline.ops[i].stream
             for key in plan.allocs.get(i, ()):
-                new(key, plan.sizes[key], stream)
+                new(key, plan.sizes[key], plan.streams[i])
             if plan.scratch[i]:
-                new("scratch", plan.scratch[i], stream)
+                new("scratch", plan.scratch[i], plan.streams[i])
                 drop("scratch")
             for key in plan.frees.get(i, ()):
                 drop(key)
@@ -168,6 +167,7 @@ class _Plan:
         self.allocs: dict[int, list[int]] = {}
         self.frees: dict[int, list[int]] = {}
         self.scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
+        self.streams = [op.stream for op in timeline.ops]  # what each op allocates is on its stream
         self.born: dict[int, list[tuple[Hashable, int]]] = {}
         self.survivors: list[int] = []
         load, setup, self.batch = [], [], []
