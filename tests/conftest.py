@@ -32,8 +32,9 @@ MAX_WORKERS = 4  # each worker imports torch and captures models of its own: abo
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject's addopts): one worker per core this process may run on, at most
     ``MAX_WORKERS``."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      MAX_WORKERS))
+    from estimator.orchestrate.workers import usable_cores
+
+    return min(usable_cores(), MAX_WORKERS)
 
 
 def pytest_collection_modifyitems(config, items):
