@@ -249,12 +249,13 @@ class GPT(nn.Module):
         return [self.lm_head(x_i) for x_i in x.split(lm_head_chunk_size, dim=1)]
 
 
-def build(config: str | Config, seq: int, device: str = "meta") -> GPT:
+def build(config: str | Config, seq: int, device: str = "meta", quantize: str | None = None) -> GPT:
     """lit-gpt's LoRA GPT (``config``: a name of ``CONFIGS``) on ``device``, as ``finetune/lora.py``
     128-135 and Fabric's ``setup_module`` leave it: bf16 parameters
     (``HalfPrecision.convert_module``), only the LoRA matrices trainable
     (``mark_only_lora_as_trainable``, lora.py 389), the rope cache fp32 (set afterwards,
-    finetune/lora.py 176)."""
+    finetune/lora.py 176).  ``quantize="nf4"`` (or ``"nf4-dq"``, ``"fp4"``, ``"fp4-dq"``): the
+    script's ``--quantize bnb.<mode>`` (``quantize_linears``)."""
     with torch.device(device):
         model = GPT(CONFIGS[config] if isinstance(config, str) else config, seq)
     cos, sin = model.cos, model.sin
@@ -262,7 +263,86 @@ def build(config: str | Config, seq: int, device: str = "meta") -> GPT:
     model.cos, model.sin = cos, sin
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
-    return model
+    return quantize_linears(model, quantize) if quantize else model
+
+
+class _MatMul4Bit041(torch.autograd.Function):
+    """bitsandbytes 0.41.1's ``MatMul4Bit`` (autograd/_functions.py 494-549; the table's version),
+    dequantizing with the installed bitsandbytes' ``dequantize_4bit`` (an ``empty(shape, dtype)``
+    of the weight's shape in its quantized dtype, as 0.41.1's): the weight dequantized, cast to the
+    input's dtype and multiplied; ``ctx.tensors = (A, B)`` when an input needs a gradient, so the
+    input ``A`` stays alive until backward (bitsandbytes 0.42+ keeps ``(None, B)``); backward
+    dequantizes again.  0.41.1's transposes (``B`` is ``weight.t()``; ``dequantize_4bit`` turns
+    a transposed input's output back) are views."""
+
+    @staticmethod
+    def forward(ctx, A, B, state):
+        import bitsandbytes.functional as bnb_f
+
+        output = F.linear(A, bnb_f.dequantize_4bit(B, state).to(A.dtype))
+        ctx.state = state
+        ctx.tensors = (A, B) if any(ctx.needs_input_grad[:2]) else (None, None)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        import bitsandbytes.functional as bnb_f
+
+        _, B = ctx.tensors
+        grad_a = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.matmul(grad_output, bnb_f.dequantize_4bit(B, ctx.state).to(grad_output.dtype))
+        return grad_a, None, None
+
+
+def _linear4bit_041():
+    import bitsandbytes as bnb
+
+    class Linear4bit041(bnb.nn.Linear4bit):
+        """``bnb.nn.Linear4bit`` with bitsandbytes 0.41.1's forward (nn/modules.py 232-252): the input
+        cast to the compute dtype, ``matmul_4bit`` (autograd/_functions.py 566-579: ``MatMul4Bit``
+        for a training input), the output cast back; no bias here (Llama)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.bias is not None:
+                raise NotImplementedError("the stand-in's 0.41.1 Linear4bit has no bias (Llama 2)")
+            return _MatMul4Bit041.apply(x.to(self.compute_dtype), self.weight, self.weight.quant_state).to(x.dtype)
+
+    return Linear4bit041
+
+
+def quantize_linears(model: nn.Module, mode: str) -> nn.Module:
+    """finetune/lora.py 70-74 with ``--quantize bnb.<mode>``: Lightning 2.1's
+    ``BitsandbytesPrecision(mode, bf16)`` (lightning/fabric/plugins/precision/bitsandbytes.py).
+    Its ``module_init_context`` builds every ``torch.nn.Linear`` of the GPT (the LoRA layers' base
+    linears and the LM head included: no ``ignore_modules``) as a ``bnb.nn.Linear4bit`` subclass
+    (``_NF4Linear``: ``quant_type="nf4"``, ``compress_statistics=False``; ``-dq``: True), whose
+    ``_quantize_weight`` casts the weight to fp16 and calls ``bnb.functional.quantize_4bit`` with
+    the ``Params4bit``'s blocksize (64); ``convert_module`` sets the compute dtype (bf16).  Here
+    each linear is replaced by that ``Linear4bit`` with an fp16 weight, quantized on its device by
+    ``estimator.integrations.bitsandbytes.quantize`` (``Params4bit._quantize``: the same
+    ``quantize_4bit`` call).  The LoRA matrices are ``nn.Parameter`` s, not linears: unquantized."""
+    import bitsandbytes as bnb
+
+    from estimator.integrations.bitsandbytes import quantize
+
+    Linear4bit041 = _linear4bit_041()
+    kind, _, double = mode.partition("-")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                weight = child.weight
+                layer = Linear4bit041(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=double == "dq",
+                                      quant_type=kind, device=weight.device)
+                layer.weight = bnb.nn.Params4bit(weight.detach().to(torch.float16), requires_grad=False,
+                                                 blocksize=layer.weight.blocksize, compress_statistics=double == "dq",
+                                                 quant_type=kind, module=layer)
+                if child.bias is not None:
+                    layer.bias = child.bias
+                layer.compute_type_is_set = False
+                setattr(parent, name, layer)
+    return quantize(model)
 
 
 @contextlib.contextmanager
@@ -309,3 +389,11 @@ def lora_step(accumulate: int):
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """finetune/lora.py 143: AdamW over the trainable (LoRA) parameters."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.01)
+
+
+def paged_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """finetune/lora.py 138-141: with a ``BitsandbytesPrecision``, bitsandbytes' ``PagedAdamW`` over
+    the trainable (LoRA) parameters."""
+    import bitsandbytes as bnb
+
+    return bnb.optim.PagedAdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, weight_decay=0.01)

@@ -654,15 +654,17 @@ def lit_batch(b: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def litgpt_lora(name: str, b: int, seq: int) -> Callable[[], Prediction]:
+def litgpt_lora(name: str, b: int, seq: int, quantize: str | None = None) -> Callable[[], Prediction]:
     """lit-gpt's own LoRA GPT (``validators.litgpt``, written to follow 8641822) and one iteration
-    of its ``finetune/lora.py`` through Fabric's ``bf16-true`` (mini-batch 128)."""
+    of its ``finetune/lora.py`` through Fabric's ``bf16-true`` (mini-batch 128); with ``quantize``
+    (``--quantize bnb.nf4``) the base linears in 4-bit and bitsandbytes' ``PagedAdamW``."""
     from validators import litgpt
 
     def predict() -> Prediction:
-        model = litgpt.build(name, seq)
+        model = litgpt.build(name, seq, quantize=quantize)
         return Prediction(model, lit_batch(b, seq, litgpt.CONFIGS[name].padded_vocab_size),
-                          {"step": litgpt.lora_step(128 // b), "optimizer": litgpt.optimizer})
+                          {"step": litgpt.lora_step(128 // b),
+                           "optimizer": litgpt.paged_optimizer if quantize else litgpt.optimizer})
 
     return predict
 
@@ -738,19 +740,36 @@ LIT_ROWS = (
              "38.12 GB", 1, 1304, "Llama-2-13b-hf", 6_553_600),
     Row(
         key="litgpt-llama-2-7b-qlora-nf4-mb1",
-        source=Source(_LIT_URL, _LIT_TITLE, _LIT_DATE, f"table 'Finetuning with LoRA on 1 GPU'; {_LIT_MEASURE}",
+        source=Source(_LIT_URL, _LIT_TITLE, _LIT_DATE,
+                      f"table 'Finetuning with LoRA on 1 GPU'; {_LIT_MEASURE}; longest Alpaca sample from the page's "
+                      "token counts; file tutorials/resource-tables.md",
                       "| 7 B | Llama 2 | bnb.nf4 | 1 | 4,194,304 | 14.14 GB | 3.68 min |"),
-        setup=Setup(model="Llama 2 7B, LoRA r=8 on query and value, base weights in bitsandbytes NF4",
-                    gpu="1 x A100-SXM4-40GB", batch="micro-batch 1 (mini-batch 128)", seq_len="1304",
-                    precision="bf16-true, NF4 base weights", optimizer="bitsandbytes PagedAdamW", stack=_LIT_STACK),
+        setup=Setup(model="Llama 2 7B, LoRA r=8 alpha=16 dropout 0.05 on query and value (4,194,304 trainable), "
+                          "every linear in bitsandbytes NF4 (finetune/lora.py --quantize bnb.nf4)",
+                    gpu="1 x A100-SXM4-40GB", batch="micro-batch 1 (mini-batch 128)",
+                    seq_len="1304 (the longest Alpaca sample, forced into the first batch)",
+                    precision="NF4 base weights (quantized from fp16, blocks of 64), bf16 compute and LoRA",
+                    optimizer="bitsandbytes.optim.PagedAdamW on the LoRA parameters",
+                    stack=_LIT_STACK + ", bitsandbytes 0.41.1", fxmem_gpu="A100 40GB"),
         quantity=Quantity.ALLOCATED,
         published=Published("14.14 GB", round(14.14 * GB)),
-        not_estimable="Llama 2 7B's NF4 weights without the weights: bitsandbytes' Params4bit quantizes real "
-                      "values when it moves to the GPU (never on the meta device), and fxmem has no builder yet of "
-                      "NF4 parameters of the right sizes (packed uint8, absmax and nested absmax) for a model too "
-                      "large to quantize on this host; PagedAdamW's state (CUDA managed memory) and bitsandbytes' "
-                      "4-bit kernels are modelled, and QLoRA with NF4 weights is exact on the CPU (validators.low_bit)",
-        differences=(TORCH_21,),
+        predict=litgpt_lora("Llama-2-7b-hf", 1, 1304, quantize="nf4"),
+        stand_in="validators/litgpt.py: lit-gpt's GPT and LoRAQKVLinear (Llama-2-7b-hf), Lightning 2.1's "
+                 "BitsandbytesPrecision('nf4') with bitsandbytes 0.41.1's Linear4bit forward, NF4 weights sized on "
+                 "the meta device (estimator.integrations.bitsandbytes.quantize)",
+        differences=(
+            Difference("bitsandbytes 0.41.1", "the run had bitsandbytes 0.41.1, whose MatMul4Bit keeps each 4-bit "
+                       "layer's input for backward (ctx.tensors = (A, B)); the installed 0.50.2 keeps (None, B). The "
+                       "stand-in runs 0.41.1's Linear4bit forward and MatMul4Bit (validators/litgpt.py) on the "
+                       "installed bitsandbytes' quantize / dequantize ops, whose outputs are 0.41.1's sizes; with "
+                       "the installed Linear4bit the prediction is 12.29 GB (-13.1 %)"),
+            Difference("Lightning 2.1", "the table names Lightning 2.1.0.rc0, which has no BitsandbytesPrecision; "
+                       "lit-gpt pinned Lightning 2.1 (PR #669), whose plugin the stand-in follows"),
+        ) + _LIT_DIFFERENCES,
+        notes=("trainable parameters: 4,194,304 as the table says; the weights are quantized at init and again as "
+               "the checkpoint loads, one linear at a time, before the first step; PagedAdamW's state is all under "
+               "bitsandbytes' paging threshold of 100,000 elements (each LoRA matrix has 65,536): ordinary CUDA "
+               "tensors",),
     ),
 )
 

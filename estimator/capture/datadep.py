@@ -601,6 +601,12 @@ def meta_weights(what: str) -> InputError:
                       "(report(..., data_dependent={'site': n}))")
 
 
+def refuse_meta(model: nn.Module) -> None:
+    """``meta_weights`` where ``model`` has tensors on the meta device: no real run of it."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise meta_weights("the sizes")
+
+
 def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
     user's whole step) recording the
@@ -608,8 +614,7 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = Fal
     were, and the user's own forward hooks do not run (they would see real tensors the user's
     code keeps: a hook that changes a module's output changes what the probe sees, a limitation);
     a library's hooks do (``_user_hooks_off``)."""
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise meta_weights("the sizes")
+    refuse_meta(model)
     names = {id(m): name for name, m in model.named_modules()}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     recorder = Probe(names)

@@ -98,6 +98,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
     user's objects by id -> their copies (for ``isolated``)."""
     memo = {} if memo is None else memo
     state = steps.state_tensors(model, None, ())
+    aliases: dict[tuple, torch.Tensor] = {}  # a meta tensor's place in its storage -> its fake
     for value in [*state[Category.PARAMETER].values(), *state[Category.BUFFER].values()]:
         if id(value) not in memo:
             if isinstance(value, nn.parameter.UninitializedTensorMixin):
@@ -105,7 +106,19 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
                     f"{type(value).__name__} {_state_name(state, value)!r}: the model has lazy modules "
                     "(nn.LazyLinear, ...) whose parameters do not exist yet; initialise them with one call on a "
                     "sample first (with torch.no_grad(): model(sample)), then estimate")
-            fake = _scalar(value, mode) if _is_scalar(value) else _fake(value.detach(), mode)
+            if unquantized(value):
+                raise InputError(
+                    f"{type(value).__name__} {_state_name(state, value)!r} is not quantized yet: bitsandbytes "
+                    "quantizes a weight when the model moves to its device (model.to('cuda')), which a model on "
+                    "the meta device never does; call estimator.integrations.bitsandbytes.quantize(model) first "
+                    "(it quantizes on the meta device: sizes without the weights), or move the model")
+            place = _meta_place(value)
+            if place in aliases:
+                fake = aliases[place]
+            else:
+                fake = _scalar(value, mode) if _is_scalar(value) else _fake(value.detach(), mode)
+                if place is not None:
+                    aliases[place] = fake
             if isinstance(value, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=value.requires_grad)
             memo[id(value)] = fake
@@ -124,6 +137,32 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
         ) from exc
     _isolate_hooks(copied, memo)
     return copied
+
+
+def unquantized(weight: Any) -> bool:
+    """Whether ``weight`` is a bitsandbytes weight not quantized yet: a ``Params4bit`` or an
+    ``Int8Params`` (without fp16 weights) that has not moved to a device, where bitsandbytes
+    quantizes it (``.to``: ``_quantize``, bitsandbytes/nn/modules.py).  A model holding one has
+    imported bitsandbytes."""
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return False
+    if isinstance(weight, bnb.nn.Params4bit):  # (Lightning 2.1 quantizes without setting the flag)
+        return not weight.bnb_quantized and weight.quant_state is None
+    if isinstance(weight, bnb.nn.Int8Params):
+        return not weight.has_fp16_weights and weight.dtype != torch.int8
+    return False
+
+
+def _meta_place(t: torch.Tensor) -> tuple | None:
+    """Where a meta tensor lies in its storage (storage, offset, shape, strides, dtype), or None
+    for any other.  Two meta tensors at one place are one tensor (an ``Int8Params`` and its
+    ``CB``): one fake for both, as the converter gives real tensors that share a storage one fake
+    storage (``_fake`` moves each meta fake to the CPU, a storage of its own).  Meta tensors that
+    overlap otherwise stay apart."""
+    if t.device.type != "meta":
+        return None
+    return t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 def _state_name(state, value) -> str:

@@ -684,12 +684,13 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``model`` holds besides its parameters and registered buffers, by path: plain
     tensor attributes of its modules, tensors in lists, tuples, dicts and sets, on helper objects
     that are not modules, and the parameters and buffers of modules it keeps outside its module
-    tree (in a plain list).  Each tensor once (under its first path).
+    tree (in a plain list); not a parameter's own (``Params4bit``'s ``quant_state``).  Each once.
 
     Real memory of every step, as buffers are (what fxmem counts them as).
     """
     modules = dict(model.named_modules())
     seen = {id(t) for t in [*model.parameters(), *model.buffers()]} | {id(m) for m in modules.values()}
+    seen |= {id(t) for name, p in model.named_parameters() for t in parameter_attribute_tensors(name, p).values()}
     return _tensors_in(modules, seen, module_tree=True)
 
 

@@ -216,6 +216,7 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
     """``spec``'s policy with the sizes and values of one real forward and loss on ``sample``
     (the model's train/eval state, buffers and the RNG restored); for a user's step, one real
     run of that step on a copy of the model (its optimizer step must not change the user's)."""
+    datadep.refuse_meta(model)  # before the copy: bitsandbytes' Params4bit cannot deep-copy a meta tensor
     training = model.training
     model.train(spec.mode is Mode.TRAIN)
     if spec.step is None:

@@ -138,6 +138,7 @@ def resolve(
     dtype: str | None = None,
     device_init: str = "meta",
     seq_len: int | None = None,
+    quantize: str | None = None,
 ) -> Built:
     """Build the MODEL argument ``text``.
 
@@ -145,11 +146,15 @@ def resolve(
     size for zoo and integration models (a factory's sample keeps its own); ``dtype``
     (``fp32``/``bf16``/``fp16``) casts the parameters and the sample's floating tensors;
     ``device_init`` is where zoo and integration models are built (``meta``: no memory);
-    ``seq_len`` the tokens per sample of a transformers model.
+    ``seq_len`` the tokens per sample of a transformers model, ``quantize`` its bitsandbytes
+    quantization mode (``estimator.integrations.bitsandbytes.config``).
     """
     spec = parse(text)
-    if seq_len is not None and not (spec.kind == "integration" and spec.target == "transformers"):
+    transformers = spec.kind == "integration" and spec.target == "transformers"
+    if seq_len is not None and not transformers:
         raise InputError(f"--seq-len applies to transformers models only, not to {spec.label!r}")
+    if quantize is not None and not transformers:
+        raise InputError(f"--quantize applies to transformers models only, not to {spec.label!r}")
     if size is not None and spec.kind != "zoo":
         raise InputError(f"--size applies to zoo models only, not to {spec.label!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -157,7 +162,7 @@ def resolve(
     if spec.kind == "zoo":
         built = _zoo(spec.target, size or DEFAULT_ZOO_SIZE, batch, dtype, device_init)
     elif spec.kind == "integration":
-        built = _cast(_integration(spec, batch, dtype, device_init, seq_len), dtype, model_too=False)
+        built = _cast(_integration(spec, batch, dtype, device_init, seq_len, quantize), dtype, model_too=False)
     else:
         built = _cast(_factory(spec), dtype)
     return built
@@ -185,7 +190,7 @@ def _zoo(name: str, size: str, batch: int | None, dtype: str | None, device_init
 
 
 def _integration(spec: ModelArgument, batch: int | None, dtype: str | None, device_init: str,
-                 seq_len: int | None = None) -> Built:
+                 seq_len: int | None = None, quantize: str | None = None) -> Built:
     try:
         from estimator.integrations import build
     except ModuleNotFoundError as exc:
@@ -194,6 +199,10 @@ def _integration(spec: ModelArgument, batch: int | None, dtype: str | None, devi
         raise
     batch = batch or 2
     options = {} if seq_len is None else {"seq_len": seq_len}
+    if quantize is not None:
+        from estimator.integrations import bitsandbytes
+
+        options["quantization"] = bitsandbytes.config(quantize, _torch_dtype(dtype))
     model, sample, loss_fn = build(spec.target, spec.name, batch=batch, device=device_init, dtype=_torch_dtype(dtype),
                                    **options)
     return Built(model, sample, loss_fn, spec.label, batch)

@@ -23,6 +23,7 @@ import click
 
 MODES = ("train", "inference", "generate")
 DEVICES = ("cpu", "cuda")
+QUANTIZE = ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8")  # --quantize: estimator.integrations.bitsandbytes.config
 
 MODEL_HELP = """MODEL is one of:
 
@@ -76,6 +77,7 @@ class Options:
     generate: int | None
     cache: str | None
     seq_len: int | None
+    quantize: str | None
 
 
 def model_options(func=None, *, strategy: bool = True):
@@ -116,6 +118,11 @@ def model_options(func=None, *, strategy: bool = True):
         click.option("--seq-len", "seq_len", type=click.IntRange(min=1), metavar="S",
                      help="tokens per sample of a transformers model (the prompt with --generate; default "
                           "min(max positions, 512))."),
+        click.option("--quantize", type=click.Choice(tuple(QUANTIZE), case_sensitive=False), metavar="MODE",
+                     help="a transformers model's linear weights in bitsandbytes 4-bit or 8-bit, as from_pretrained("
+                          "quantization_config=BitsAndBytesConfig(...)) loads them (sized without the weights): "
+                          "nf4, nf4-dq (double quantization), fp4, fp4-dq (4-bit compute dtype: --dtype, else bf16), "
+                          "int8.  A Hub model quantized already (quantization_config in its config.json) needs none."),
         click.option("--device", callback=_device, default="cuda", show_default=True, metavar="DEVICE",
                      help="target device: cuda (the GPU of --gpu; no GPU needed here) or cpu (an index such as "
                           "cuda:1 is accepted)."),

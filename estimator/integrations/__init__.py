@@ -74,6 +74,7 @@ def build(
     dtype: str | torch.dtype | None = None,
     seq_len: int | None = None,
     image_size: int | tuple[int, int] | None = None,
+    quantization: Any = None,
 ) -> tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor] | None]:
     """Build ``name`` from ``source`` with random weights; returns ``(model, sample, loss_fn)``.
 
@@ -86,6 +87,10 @@ def build(
         dtype: the parameters' dtype (default float32, or a transformers config's ``dtype``).
         seq_len: tokens per sample for text models (default ``min(max positions, 512)``).
         image_size: H (= W) or (H, W) of the sample for vision models (default: the model's).
+        quantization: transformers only: a ``BitsAndBytesConfig`` (or its dict), loaded as
+            ``from_pretrained(quantization_config=...)`` would (``estimator.integrations.bitsandbytes``:
+            4-bit / 8-bit weights sized without the weights); None: the config's own
+            ``quantization_config`` (a pre-quantized Hub model); False: none.
 
     Raises:
         InputError: unknown source or name (with close matches), a Hub id whose config cannot be
@@ -93,6 +98,9 @@ def build(
             (naming ``pip install 'fxmem[...]'``), an override the model does not take.
     """
     builder = _builder(source)
+    if quantization is not None and source != "transformers":
+        raise InputError(f"quantization= applies to transformers models only, not to {source!r}")
+    extra = {"quantization": quantization} if source == "transformers" else {}
     return builder(
         name,
         _common.check_batch(batch),
@@ -101,4 +109,5 @@ def build(
         dtype=None if dtype is None else _common.check_dtype(dtype),
         seq_len=seq_len,
         image_size=image_size,
+        **extra,
     )

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from estimator.integrations import bitsandbytes
 from estimator.integrations._common import building_on, import_optional, pair, randint, randn, suggest
 from estimator.vocab.errors import InputError
 
@@ -90,6 +91,7 @@ def build(
     dtype: torch.dtype | None,
     seq_len: int | None,
     image_size: int | tuple[int, int] | None,
+    quantization: Any = None,
 ) -> tuple[nn.Module, dict[str, torch.Tensor], None]:
     transformers = import_optional("transformers", "transformers")
     config, model_class = _resolve(transformers, name, overrides)
@@ -107,6 +109,8 @@ def build(
             model = model_class._from_config(config, **kwargs)
         except (TypeError, ValueError, AttributeError, KeyError, ImportError) as exc:
             raise InputError(f"transformers could not build {model_class.__name__} from this config: {exc}") from exc
+    if quantization is not False:
+        model = bitsandbytes.quantize_transformers(transformers, model, config, quantization)
     return model, make_sample(transformers, model, config, batch, seq_len, image_size), None
 
 

@@ -1,0 +1,128 @@
+"""bitsandbytes' quantized weights without the weights: NF4 / FP4 and int8 layers built on the meta device.
+
+bitsandbytes quantizes a weight when it moves to its device: ``Params4bit.to`` and
+``Int8Params.to`` call ``_quantize`` for any device but meta (bitsandbytes/nn/modules.py), and
+``from_pretrained`` quantizes each checkpoint tensor as it loads it.  A model built on the meta
+device therefore holds unquantized shells, which no real run ever executes.  ``quantize`` runs
+bitsandbytes' own ``_quantize`` on the meta device instead: ``bitsandbytes.functional.quantize_4bit``
+/ ``int8_vectorwise_quant`` on meta tensors, whose shapes and dtypes come from the ops' registered
+fake kernels (bitsandbytes/_ops.py).  The result is what a quantized weight holds, sized per tensor:
+
+- 4-bit (``Params4bit``): the packed codes, ``ceil(n / 2)`` bytes (``quant_storage`` uint8), and
+  one fp32 absmax per ``blocksize`` elements (64 by default); with ``compress_statistics``
+  (double quantization) the absmax are uint8, plus one fp32 absmax per 256 of them, the 256-entry
+  fp32 dynamic code and the fp32 offset;
+- 8-bit (``Int8Params``): int8 codes of the weight's shape and one fp32 scale per row.
+
+``quantize_transformers`` is ``from_pretrained``'s quantization for a model built from its config:
+transformers' own quantizer (``get_hf_quantizer``, ``preprocess_model``: ``replace_with_bnb_linear``
+with the modules it keeps unquantized, ``postprocess_model``) and, per weight, what its load
+operation does (transformers/integrations/bitsandbytes.py ``Bnb4bitQuantize`` / ``Bnb8bitQuantize``:
+``Params4bit(value, requires_grad=False, **shell.__dict__).to(value.device)``, a GPT-2 ``Conv1D``
+weight transposed first), with the model's own tensors as the values (meta, or real for measuring).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from estimator.capture.fake import unquantized
+from estimator.integrations._common import import_optional
+from estimator.vocab.errors import InputError
+
+META = torch.device("meta")
+
+
+def quantize(model: nn.Module) -> nn.Module:
+    """Quantize, in place, every bitsandbytes weight of ``model`` not quantized yet, as moving it to
+    its device does (``Params4bit._quantize`` / ``Int8Params._quantize``), on the device it is on:
+    on the meta device the quantized weights are sized from the ops' fake kernels, no values needed.
+    Returns ``model``."""
+    _dynamic_map_on_cpu()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if unquantized(weight):
+            module.weight = weight._quantize(weight.device)
+    return model
+
+
+def quantize_transformers(transformers, model: nn.Module, config, quantization: Any) -> nn.Module:
+    """``model`` (built from ``config`` by ``_from_config``) quantized as ``from_pretrained(...,
+    quantization_config=quantization)`` loads it: ``quantization`` (a ``BitsAndBytesConfig`` or its
+    dict) or, when None, the config's own ``quantization_config`` (a pre-quantized Hub model)."""
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    if quantization is None and getattr(config, "quantization_config", None) is None:
+        return model
+    _check_method(quantization if quantization is not None else config.quantization_config)
+    bnb = _bnb()
+    device = next((p.device for p in model.parameters()), META)
+    try:
+        quantizer, config, _ = get_hf_quantizer(config, quantization, {"": str(device)}, True, {})
+    except (ImportError, ValueError, RuntimeError) as exc:
+        raise InputError(f"transformers refuses this quantization: {exc}") from exc
+    values = dict(model.named_parameters())  # what the checkpoint would hold, by name
+    _dynamic_map_on_cpu()
+    quantizer.preprocess_model(model=model, dtype=model.dtype, device_map={"": str(device)})
+    conv1d = transformers.pytorch_utils.Conv1D
+    for name, module in model.named_modules():
+        shell = module._parameters.get("weight")
+        if not isinstance(shell, (bnb.nn.Params4bit, bnb.nn.Int8Params)):
+            continue
+        value = values[f"{name}.weight"].detach()
+        if issubclass(getattr(module, "source_cls", nn.Linear), conv1d):
+            value = value.T
+        kwargs = dict(shell.__dict__)
+        if isinstance(shell, bnb.nn.Params4bit):
+            kind = bnb.nn.Params4bit
+        else:
+            kind = bnb.nn.Int8Params
+            kwargs.pop("SCB", None)
+        module.weight = kind(value, requires_grad=False, **kwargs)._quantize(value.device)
+        module._is_hf_initialized = True
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    return model
+
+
+def config(mode: str, compute_dtype: torch.dtype | None = None):
+    """The ``BitsAndBytesConfig`` of a quantization mode by the names Lightning's
+    ``BitsandbytesPrecision`` gives them: ``nf4``, ``nf4-dq`` (double quantization), ``fp4``,
+    ``fp4-dq`` (4-bit, compute dtype ``compute_dtype``, else bf16), ``int8`` (``load_in_8bit``)."""
+    import transformers
+
+    if mode == "int8":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    kind, _, double = mode.partition("-")
+    if kind not in ("nf4", "fp4") or double not in ("", "dq"):
+        raise InputError(f"unknown quantization mode {mode!r}: nf4, nf4-dq, fp4, fp4-dq or int8")
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
+                                           bnb_4bit_use_double_quant=bool(double),
+                                           bnb_4bit_compute_dtype=compute_dtype or torch.bfloat16)
+
+
+def _dynamic_map_on_cpu() -> None:
+    """Fill bitsandbytes' process-wide cache of the 8-bit dynamic code (``functional.name2qmap
+    ["dynamic"]``, which double quantization uses) on the CPU: ``quantize_blockwise`` creates it on
+    the device of its first input, and a meta one would break every later real quantization
+    ("Cannot copy out of meta tensor").  The values are bitsandbytes' own ``create_dynamic_map()``."""
+    functional = _bnb().functional
+    if "dynamic" not in functional.name2qmap:
+        functional.name2qmap["dynamic"] = functional.create_dynamic_map()
+
+
+def _check_method(quantization: Any) -> None:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method != "bitsandbytes":
+        raise InputError(f"the model is quantized with {method!r}, which fxmem does not model (bitsandbytes' "
+                         "4-bit and 8-bit weights only); build it unquantized with quantization=False to estimate "
+                         "the model in its unquantized dtype")
+
+
+def _bnb():
+    return import_optional("bitsandbytes", "lowbit")
