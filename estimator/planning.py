@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from estimator.capture import model_plans, steps
+from estimator.capture import model_plans, quantized, steps
 from estimator.orchestrate.checked import device_name, sample_batch
 from estimator.orchestrate.estimate import estimate_each
 from estimator.reporting.result import Report
@@ -201,6 +201,47 @@ def default_optimizers(optimizer: Any, mode: str = "train") -> tuple[dict[str, s
     return found, skipped
 
 
+QLORA = "QLoRA (NF4 weights + LoRA r=8)"  # the weights what-if of compare and plan
+
+
+def qlora(model: nn.Module) -> nn.Module:
+    """``model`` as QLoRA trains it (Dettmers et al. 2023, as PEFT and transformers users build it):
+    a copy on the meta device (no values: sizes only), every linear but the output embeddings in
+    bitsandbytes NF4 with double quantization and bf16 compute (``capture.quantized.nf4_linears``:
+    what ``BitsAndBytesConfig(load_in_4bit=True, ...)`` loads), every weight frozen, and PEFT's
+    LoRA adapters (``LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")``, PEFT's
+    defaults otherwise) the only trainable parameters.  The rest of the step is the
+    comparison's own (its optimizer over the adapters; no ``prepare_model_for_kbit_training``)."""
+    import copy
+
+    import peft
+    import torch
+
+    memo = {id(t): type(t)(torch.empty_like(t, device="meta"), requires_grad=False) if isinstance(t, nn.Parameter)
+            else torch.empty_like(t, device="meta") for t in [*model.parameters(), *model.buffers()]}
+    copied = copy.deepcopy(model, memo)
+    head = getattr(copied, "get_output_embeddings", None)
+    head = head() if callable(head) else None
+    quantized.nf4_linears(copied, keep=(head,) if isinstance(head, nn.Module) else ())
+    copied.requires_grad_(False)
+    return peft.get_peft_model(copied, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+
+
+def default_weights(model: nn.Module, mode: Any = "train") -> tuple[dict[str, Any], list[str]]:
+    """The weights what-ifs of a train step (``{label: model transform}``: ``QLORA``) where
+    bitsandbytes and PEFT are installed and the model has linear layers, and the ones left out."""
+    import importlib.util
+
+    if not isinstance(mode, str) or mode.lower() != "train":
+        return {}, []
+    if not any(type(m) is nn.Linear for m in model.modules()):
+        return {}, [f"{QLORA}: the model has no nn.Linear layers"]
+    missing = [name for name in ("bitsandbytes", "peft") if importlib.util.find_spec(name) is None]
+    if missing:
+        return {}, [f"{QLORA}: {' and '.join(missing)} not installed (pip install {' '.join(missing)})"]
+    return {QLORA: qlora}, []
+
+
 def compare(
     model: nn.Module,
     sample: Any,
@@ -220,6 +261,7 @@ def compare(
     batch_dims: int | Mapping | None = None,
     keep_output: bool | None = None,
     optimizers: Mapping[str, Any] | None = None,
+    weights: Mapping[str, Any] | None = None,
     workers: int | None = None,
 ) -> Comparison:
     """Each strategy's peak per device at batch ``b`` (and, with a ``budget``, the largest
@@ -229,7 +271,9 @@ def compare(
     ``{label: Strategy}`` dict; default ``default_strategies(model, b, devices)``.
     ``optimizers``: what-ifs of the optimizer on one device, ``{label: optimizer}`` (a name or a
     factory, as ``optimizer``); default, with the default strategies, ``default_optimizers``:
-    bitsandbytes' 8-bit version of ``"adamw"`` / ``"adam"`` where it is installed.  The other
+    bitsandbytes' 8-bit version of ``"adamw"`` / ``"adam"`` where it is installed.  ``weights``:
+    what-ifs of the model on one device, ``{label: model -> model}``; default, with the default
+    strategies, ``default_weights``: QLoRA (``qlora``) where bitsandbytes and PEFT are installed.  The other
     arguments are ``estimator.report``'s (``device="cuda"`` by default, on the GPU ``gpu=``,
     default an H100; a user's own ``step=`` cannot combine with the strategies compared:
     estimate it with ``report``).  Each distinct single-device step is captured once, in
@@ -246,6 +290,11 @@ def compare(
         raise InputError(f"optimizers must be a dict {{label: optimizer}}, got {type(optimizers).__name__}")
     elif optimizers and str(mode).lower() != "train":
         raise InputError(f"optimizers are what-ifs of a train step; mode={mode!r} runs no optimizer")
+    if weights is None:
+        weights, left_out = default_weights(model, mode) if strategies is None else ({}, [])
+        skipped += left_out
+    elif not isinstance(weights, Mapping) or not all(callable(w) for w in weights.values()):
+        raise InputError("weights must be a dict {label: function(model) -> model}")
     if strategies is None:
         named, more = default_strategies(model, batch or sample_batch(sample, batch_dims), devices)
         skipped += more
@@ -262,11 +311,12 @@ def compare(
     request = Request(model, sample, batch=batch, mode=mode, optimizer=optimizer, loss_fn=loss_fn, device=device,
                       gpu=gpu, alloc_conf=alloc_conf, dynamic=dynamic, data_dependent=data_dependent,
                       batch_dims=batch_dims, keep_output=keep_output)
-    clash = sorted(set(optimizers) & set(named))
+    clash = sorted((set(optimizers) & set(named)) | (set(weights) & (set(named) | set(optimizers))))
     if clash:
-        raise InputError(f"optimizers and strategies share the label(s) {', '.join(map(repr, clash))}")
+        raise InputError(f"strategies and what-ifs share the label(s) {', '.join(map(repr, clash))}")
     requests = {label: request.replace(strategy=s) for label, s in named.items()}
     requests |= {label: request.replace(optimizer=o) for label, o in optimizers.items()}
+    requests |= {label: request.replace(model=_transformed(label, w, model)) for label, w in weights.items()}
     reports = estimate_each(requests, workers)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]
@@ -280,10 +330,11 @@ def compare(
             peak_bytes=rep.peak_bytes,
             saving=1 - rep.peak_bytes / base.peak_bytes,
             samples_per_step=rep.batch * s.replicas,
-            communication_bytes=communication_bytes(model, s),
-            cost=cost(s) if label in named else optimizer_cost(optimizers[label]),
+            communication_bytes=communication_bytes(requests[label].model, s),
+            cost=cost(s) if label in named else optimizer_cost(optimizers[label]) if label in optimizers else
+            WEIGHTS_COST,
             max_batch=None if limit is None else rep.max_batch(limit),
-            optimizer=None if label in named else _optimizer_label(optimizers[label]),
+            optimizer=_optimizer_label(optimizers[label]) if label in optimizers else None,
         ))
     rows.sort(key=lambda r: r.label != base_label)  # the baseline first, the rest in the given order
     return Comparison(tuple(rows), rows[0].report.batch, limit, tuple(skipped), base_label)
@@ -311,6 +362,7 @@ def plan(
     if strategies is None:
         options.setdefault("optimizers", default_optimizers(options.get("optimizer", "adamw"),
                                                             options.get("mode", "train"))[0])
+        options.setdefault("weights", default_weights(model, options.get("mode", "train"))[0])
         named, _ = default_strategies(model, batch or sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)
         extra = {}
@@ -364,6 +416,19 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     volume = {None: 2 * p, Sharding.ZERO1: 3 * p, Sharding.ZERO2: 2 * p, Sharding.ZERO3: 3 * p}[strategy.sharding]
     # accumulating, DDP reduces once (no_sync); FSDP gathers and reduce-scatters every micro-step
     return round(share * volume * (strategy.accumulate if strategy.sharding in (Sharding.ZERO2, Sharding.ZERO3) else 1))
+
+
+WEIGHTS_COST = ("a different fine-tune: LoRA adapters trained, the base weights frozen in 4-bit and dequantized "
+                "at every matmul (forward and backward)")
+
+
+def _transformed(label: str, what_if, model: nn.Module) -> nn.Module:
+    try:
+        return what_if(model)
+    except InputError:
+        raise
+    except Exception as exc:  # a library's refusal of this model, named
+        raise InputError(f"the what-if {label!r} could not transform the model: {type(exc).__name__}: {exc}") from exc
 
 
 def optimizer_cost(optimizer: Any) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -52,13 +54,41 @@ def test_compare_captures_each_step_once(captures):
     result = estimator.compare(model, x, 8, devices=4, device="cpu", workers=1)  # every capture here, counted
     # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
     # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing;
-    # then the low-bit AdamW what-ifs whose library is installed, one capture each
+    # then the low-bit AdamW and QLoRA what-ifs whose libraries are installed, one capture each
     low_bit, _ = planning.default_optimizers("adamw")
+    weights, _ = planning.default_weights(model)
     assert [r.label for r in result.rows] == [
         "single device", "AMP bf16", "compiled", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4",
-        "ZeRO-3 x4", "pipeline x4 (1F1B)", *low_bit]
-    assert len(captures) == 4 + len(low_bit)
+        "ZeRO-3 x4", "pipeline x4 (1F1B)", *low_bit, *weights]
+    assert len(captures) == 4 + len(low_bit) + len(weights)
     assert result["compiled"].cost.startswith("compiles at the first step")
+
+
+def test_compare_offers_qlora(monkeypatch):
+    """The QLoRA what-if is the same step on a meta copy of the model whose linears are NF4
+    ``Linear4bit`` s (frozen) with PEFT's LoRA adapters (r = 8) the only trainable parameters;
+    the user's model is left as it was; without PEFT it is named among the skipped."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    import bitsandbytes as bnb
+
+    model, x = Net(), torch.randn(8, 64)
+    transformed = planning.qlora(model)
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    base = [m for m in transformed.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(base) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(m.weight.quant_state.nested and m.weight.quant_type == "nf4" for m in base)
+    trainable = {n for n, p in transformed.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    result = estimator.compare(model, x, 8, [Strategy()], weights={"QLoRA": planning.qlora}, device="cpu")
+    row = result["QLoRA"]
+    assert row.report.trainable_params == sum(p.numel() for p in transformed.parameters() if p.requires_grad)
+    assert row.peak_bytes < result["single device"].peak_bytes and row.cost == planning.WEIGHTS_COST
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else
+                        real_find_spec(name, *a))
+    assert planning.default_weights(model) == ({}, [f"{planning.QLORA}: peft not installed (pip install peft)"])
+    assert planning.default_weights(model, "inference") == ({}, [])
 
 
 def test_compare_offers_low_bit_optimizers(monkeypatch):

@@ -172,3 +172,17 @@ def test_meta_tensors_at_one_place_are_one_tensor():
     reports = [estimator.report(m, x, mode="inference", device="cpu") for m in (meta, Aliased())]
     assert reports[0].breakdown == reports[1].breakdown
     assert reports[0].breakdown[Category.PARAMETER] + reports[0].breakdown[Category.BUFFER] == 64 * 64 * 4 + 64 * 4
+
+
+def test_torchao_nf4_on_the_meta_device():
+    """torchtune's QLoRA weights (torchao's ``to_nf4``) need no builder: ``to_nf4`` runs on meta
+    tensors as it is, and the meta model reports as the one with real weights."""
+    pytest.importorskip("torchao")
+    from validators.low_bit import qlora_llama
+
+    with torch.device("meta"):
+        meta = qlora_llama()
+    assert meta.model.layers[0].mlp.up_proj.weight.device.type == "meta"
+    sample = qlora_sample(2, "train")
+    reports = [estimator.report(m, sample, device="cpu") for m in (meta, qlora_llama())]
+    assert reports[0].breakdown == reports[1].breakdown and reports[0].peak_bytes == reports[1].peak_bytes

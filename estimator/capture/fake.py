@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicC
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from estimator.capture import compiled, steps, watchdog
+from estimator.capture import compiled, quantized, steps, watchdog
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import CaptureError, InputError
 
@@ -106,7 +106,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
                     f"{type(value).__name__} {_state_name(state, value)!r}: the model has lazy modules "
                     "(nn.LazyLinear, ...) whose parameters do not exist yet; initialise them with one call on a "
                     "sample first (with torch.no_grad(): model(sample)), then estimate")
-            if unquantized(value):
+            if quantized.unquantized(value):
                 raise InputError(
                     f"{type(value).__name__} {_state_name(state, value)!r} is not quantized yet: bitsandbytes "
                     "quantizes a weight when the model moves to its device (model.to('cuda')), which a model on "
@@ -137,21 +137,6 @@ def fake_model(model: nn.Module, mode: FakeTensorMode, memo: dict[int, Any] | No
         ) from exc
     _isolate_hooks(copied, memo)
     return copied
-
-
-def unquantized(weight: Any) -> bool:
-    """Whether ``weight`` is a bitsandbytes weight not quantized yet: a ``Params4bit`` or an
-    ``Int8Params`` (without fp16 weights) that has not moved to a device, where bitsandbytes
-    quantizes it (``.to``: ``_quantize``, bitsandbytes/nn/modules.py).  A model holding one has
-    imported bitsandbytes."""
-    bnb = sys.modules.get("bitsandbytes")
-    if bnb is None:
-        return False
-    if isinstance(weight, bnb.nn.Params4bit):  # (Lightning 2.1 quantizes without setting the flag)
-        return not weight.bnb_quantized and weight.quant_state is None
-    if isinstance(weight, bnb.nn.Int8Params):
-        return not weight.has_fp16_weights and weight.dtype != torch.int8
-    return False
 
 
 def _meta_place(t: torch.Tensor) -> tuple | None:

@@ -1,18 +1,8 @@
-"""bitsandbytes' quantized weights without the weights: NF4 / FP4 and int8 layers built on the meta device.
+"""bitsandbytes' quantized weights without the weights, for users and for transformers models.
 
-bitsandbytes quantizes a weight when it moves to its device: ``Params4bit.to`` and
-``Int8Params.to`` call ``_quantize`` for any device but meta (bitsandbytes/nn/modules.py), and
-``from_pretrained`` quantizes each checkpoint tensor as it loads it.  A model built on the meta
-device therefore holds unquantized shells, which no real run ever executes.  ``quantize`` runs
-bitsandbytes' own ``_quantize`` on the meta device instead: ``bitsandbytes.functional.quantize_4bit``
-/ ``int8_vectorwise_quant`` on meta tensors, whose shapes and dtypes come from the ops' registered
-fake kernels (bitsandbytes/_ops.py).  The result is what a quantized weight holds, sized per tensor:
-
-- 4-bit (``Params4bit``): the packed codes, ``ceil(n / 2)`` bytes (``quant_storage`` uint8), and
-  one fp32 absmax per ``blocksize`` elements (64 by default); with ``compress_statistics``
-  (double quantization) the absmax are uint8, plus one fp32 absmax per 256 of them, the 256-entry
-  fp32 dynamic code and the fp32 offset;
-- 8-bit (``Int8Params``): int8 codes of the weight's shape and one fp32 scale per row.
+``quantize(model)`` (``estimator.capture.quantized``): every bitsandbytes weight of a model not
+quantized yet (the meta shells a model built on the meta device holds) quantized by
+bitsandbytes' own ``_quantize`` on the meta device, sized by its ops' fake kernels.
 
 ``quantize_transformers`` is ``from_pretrained``'s quantization for a model built from its config:
 transformers' own quantizer (``get_hf_quantizer``, ``preprocess_model``: ``replace_with_bnb_linear``
@@ -29,24 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.capture.fake import unquantized
+from estimator.capture.quantized import dynamic_map_on_cpu, quantize
 from estimator.integrations._common import import_optional
 from estimator.vocab.errors import InputError
 
+__all__ = ["config", "quantize", "quantize_transformers"]
+
 META = torch.device("meta")
-
-
-def quantize(model: nn.Module) -> nn.Module:
-    """Quantize, in place, every bitsandbytes weight of ``model`` not quantized yet, as moving it to
-    its device does (``Params4bit._quantize`` / ``Int8Params._quantize``), on the device it is on:
-    on the meta device the quantized weights are sized from the ops' fake kernels, no values needed.
-    Returns ``model``."""
-    _dynamic_map_on_cpu()
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if unquantized(weight):
-            module.weight = weight._quantize(weight.device)
-    return model
 
 
 def quantize_transformers(transformers, model: nn.Module, config, quantization: Any) -> nn.Module:
@@ -65,7 +44,7 @@ def quantize_transformers(transformers, model: nn.Module, config, quantization: 
     except (ImportError, ValueError, RuntimeError) as exc:
         raise InputError(f"transformers refuses this quantization: {exc}") from exc
     values = dict(model.named_parameters())  # what the checkpoint would hold, by name
-    _dynamic_map_on_cpu()
+    dynamic_map_on_cpu()
     quantizer.preprocess_model(model=model, dtype=model.dtype, device_map={"": str(device)})
     conv1d = transformers.pytorch_utils.Conv1D
     for name, module in model.named_modules():
@@ -102,16 +81,6 @@ def config(mode: str, compute_dtype: torch.dtype | None = None):
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
                                            bnb_4bit_use_double_quant=bool(double),
                                            bnb_4bit_compute_dtype=compute_dtype or torch.bfloat16)
-
-
-def _dynamic_map_on_cpu() -> None:
-    """Fill bitsandbytes' process-wide cache of the 8-bit dynamic code (``functional.name2qmap
-    ["dynamic"]``, which double quantization uses) on the CPU: ``quantize_blockwise`` creates it on
-    the device of its first input, and a meta one would break every later real quantization
-    ("Cannot copy out of meta tensor").  The values are bitsandbytes' own ``create_dynamic_map()``."""
-    functional = _bnb().functional
-    if "dynamic" not in functional.name2qmap:
-        functional.name2qmap["dynamic"] = functional.create_dynamic_map()
 
 
 def _check_method(quantization: Any) -> None:
