@@ -290,11 +290,20 @@ def compare(
         raise InputError(f"optimizers must be a dict {{label: optimizer}}, got {type(optimizers).__name__}")
     elif optimizers and str(mode).lower() != "train":
         raise InputError(f"optimizers are what-ifs of a train step; mode={mode!r} runs no optimizer")
-    if weights is None:
+    defaults = weights is None
+    if defaults:
         weights, left_out = default_weights(model, mode) if strategies is None else ({}, [])
         skipped += left_out
     elif not isinstance(weights, Mapping) or not all(callable(w) for w in weights.values()):
         raise InputError("weights must be a dict {label: function(model) -> model}")
+    transformed = {}
+    for label, what_if in weights.items():
+        try:
+            transformed[label] = _transformed(label, what_if, model)
+        except InputError as exc:
+            if not defaults:
+                raise
+            skipped.append(str(exc))
     if strategies is None:
         named, more = default_strategies(model, batch or sample_batch(sample, batch_dims), devices)
         skipped += more
@@ -311,12 +320,12 @@ def compare(
     request = Request(model, sample, batch=batch, mode=mode, optimizer=optimizer, loss_fn=loss_fn, device=device,
                       gpu=gpu, alloc_conf=alloc_conf, dynamic=dynamic, data_dependent=data_dependent,
                       batch_dims=batch_dims, keep_output=keep_output)
-    clash = sorted((set(optimizers) & set(named)) | (set(weights) & (set(named) | set(optimizers))))
+    clash = sorted((set(optimizers) & set(named)) | (set(transformed) & (set(named) | set(optimizers))))
     if clash:
         raise InputError(f"strategies and what-ifs share the label(s) {', '.join(map(repr, clash))}")
     requests = {label: request.replace(strategy=s) for label, s in named.items()}
     requests |= {label: request.replace(optimizer=o) for label, o in optimizers.items()}
-    requests |= {label: request.replace(model=_transformed(label, w, model)) for label, w in weights.items()}
+    requests |= {label: request.replace(model=m) for label, m in transformed.items()}
     reports = estimate_each(requests, workers)
     base_label = next(label for label, s in named.items() if s == Strategy())
     base = reports[base_label]

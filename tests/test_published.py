@@ -123,6 +123,39 @@ def test_litgpt_stand_in_trains_the_published_parameter_count(name, trainable):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.cos.dtype == torch.float32
 
 
+def test_litgpt_qlora_stand_in():
+    """``--quantize bnb.nf4`` (validators/litgpt.py): every linear a 4-bit layer quantized as Lightning
+    2.1's plugin does (from fp16, NF4 in blocks of 64, no double quantization, bf16 compute), the
+    LoRA matrices the only trainable parameters; and bitsandbytes 0.41.1's ``MatMul4Bit`` keeps each
+    4-bit layer's input for backward, which the installed one does not: on a one-layer GPT the step
+    with 0.41.1's forward holds more at its peak, by no more than those inputs."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from estimator import Category
+    from validators import litgpt
+
+    config = litgpt.Config(n_embd=256, n_head=4, n_layer=1, padded_vocab_size=512, intermediate_size=512,
+                           rotary_percentage=1.0, parallel_residual=False, bias=False, norm="RMSNorm", mlp="LLaMAMLP")
+    model = litgpt.build(config, 64, quantize="nf4")
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 6 and all(type(m).__name__ == "Linear4bit041" for m in layers)  # qkv, proj, 3 MLP, head
+    states = {(m.weight.quant_state.dtype, m.weight.quant_state.blocksize, m.weight.quant_state.nested,
+               m.weight.quant_type, m.compute_dtype) for m in layers}
+    assert states == {(torch.float16, 64, False, "nf4", torch.bfloat16)}
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long), "labels": torch.zeros(1, 64, dtype=torch.long)}
+    kwargs = {"step": litgpt.lora_step(1), "optimizer": litgpt.paged_optimizer, "device": "cuda", "gpu": "A100 40GB"}
+    old = estimator.report(model, batch, **kwargs)
+    for m in model.modules():  # the installed bitsandbytes' forward
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.__class__ = bnb.nn.Linear4bit
+    new = estimator.report(model, batch, **kwargs)
+    inputs = 2 * 64 * (256 + 256 + 256 + 512 + 256)  # bf16 inputs of qkv, proj, fc_1/fc_2 (one), proj, head
+    assert 0 < old.peak_bytes - new.peak_bytes <= inputs
+    assert old.breakdown[Category.PARAMETER] == new.breakdown[Category.PARAMETER]
+
+
 def test_litgpt_v_is_a_view_of_the_fused_qkv():
     """model.py 196-215: ``v`` keeps the fused projection's storage (what attention saves), ``q``
     and ``k`` are new tensors (rope, cat)."""

@@ -186,3 +186,18 @@ def test_torchao_nf4_on_the_meta_device():
     sample = qlora_sample(2, "train")
     reports = [estimator.report(m, sample, device="cpu") for m in (meta, qlora_llama())]
     assert reports[0].breakdown == reports[1].breakdown and reports[0].peak_bytes == reports[1].peak_bytes
+
+
+def test_nf4_linears_keeps_the_head_and_tied_weights():
+    """``nf4_linears`` (the QLoRA what-if's base weights) turns every linear into an NF4 ``Linear4bit``
+    but the one it is told to keep and one whose weight is tied to another module's."""
+    from estimator.capture.quantized import nf4_linears
+
+    with torch.device("meta"):
+        model = nn.ModuleDict({"wte": nn.Embedding(100, 64), "fc": nn.Linear(64, 128), "proj": nn.Linear(128, 64),
+                               "head": nn.Linear(64, 100, bias=False), "out": nn.Linear(64, 10)})
+    model["head"].weight = model["wte"].weight
+    nf4_linears(model, keep=(model["out"],))
+    assert {name: type(m).__name__ for name, m in model.items()} == {
+        "wte": "Embedding", "fc": "Linear4bit", "proj": "Linear4bit", "head": "Linear", "out": "Linear"}
+    assert model["fc"].weight.quant_state.nested and model["fc"].weight.quant_state.dtype == torch.float32

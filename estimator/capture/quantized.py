@@ -59,7 +59,8 @@ def quantize(model: nn.Module) -> nn.Module:
 
 
 def nf4_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> nn.Module:
-    """Every ``nn.Linear`` of ``model`` but ``keep`` (the output head), in place, as bitsandbytes'
+    """Every ``nn.Linear`` of ``model`` but ``keep`` (the output head) and those whose weight is tied to
+    another module's (as transformers keeps tied weights unquantized), in place, as bitsandbytes'
     ``Linear4bit`` with the QLoRA paper's storage (NF4, double quantization, bf16 compute): what
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
     bnb_4bit_compute_dtype=torch.bfloat16)`` loads (transformers' ``replace_with_bnb_linear``), each
@@ -69,9 +70,12 @@ def nf4_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> nn.Module
     except ImportError as exc:
         raise InputError(f"4-bit weights need bitsandbytes ({exc}): pip install bitsandbytes") from exc
     kept = {id(m) for m in keep}
+    uses: dict[int, int] = {}  # a weight tied to another module's (an LM head's to the embedding) stays
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or id(child) in kept:
+            if type(child) is not nn.Linear or id(child) in kept or uses[id(child.weight)] > 1:
                 continue
             layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
