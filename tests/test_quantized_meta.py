@@ -149,6 +149,16 @@ def test_command_line_quantize():
     assert not layer.weight.quant_state.nested and layer.compute_dtype == torch.bfloat16
     with pytest.raises(InputError, match="--quantize applies to transformers models only"):
         resolve("mlp", quantize="nf4")
+    # --lora R: PEFT's adapters (its default targets for GPT-2: c_attn), the only trainable parameters: QLoRA
+    qlora = resolve("transformers:gpt2", quantize="nf4-dq", lora=8, batch=1, seq_len=8).model
+    trainable = {n for n, p in qlora.named_parameters() if p.requires_grad}
+    assert len(trainable) == 2 * 12 and all("c_attn.lora_" in n for n in trainable)
+    assert qlora.base_model.model.transformer.h[0].attn.c_attn.base_layer.weight.quant_state.nested
+    # a model PEFT has no defaults for: every linear layer
+    mlp = resolve("mlp", lora=4).model
+    trainable = [n for n, p in mlp.named_parameters() if p.requires_grad]
+    linears = sum(isinstance(m, nn.Linear) for m in resolve("mlp").model.modules())
+    assert len(trainable) == 2 * linears and all(".lora_A." in n or ".lora_B." in n for n in trainable)
 
 
 def test_meta_tensors_at_one_place_are_one_tensor():

@@ -63,7 +63,7 @@ def _estimate(opts: Options, run=None, **extra):
     user_step = user_function(opts.step, "--step", "a function step(model, sample, state)")
     optim = optimizer(opts.optimizer, user_step is not None)
     built = models.resolve(opts.model, size=opts.size, batch=opts.batch, dtype=opts.dtype, device_init=opts.device_init,
-                           seq_len=opts.seq_len, quantize=opts.quantize)
+                           seq_len=opts.seq_len, quantize=opts.quantize, lora=opts.lora)
     batch = opts.batch or built.batch
     _status(opts, f"capturing {built.label}, {opts.mode}" + (f", step {opts.step}" if opts.step else "")
             + (f", b={batch}" if batch else "") + " ...")

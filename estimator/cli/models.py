@@ -18,6 +18,7 @@ Torch is imported only when a model is built, so importing this module is cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -139,6 +140,7 @@ def resolve(
     device_init: str = "meta",
     seq_len: int | None = None,
     quantize: str | None = None,
+    lora: int | None = None,
 ) -> Built:
     """Build the MODEL argument ``text``.
 
@@ -147,7 +149,8 @@ def resolve(
     (``fp32``/``bf16``/``fp16``) casts the parameters and the sample's floating tensors;
     ``device_init`` is where zoo and integration models are built (``meta``: no memory);
     ``seq_len`` the tokens per sample of a transformers model, ``quantize`` its bitsandbytes
-    quantization mode (``estimator.integrations.bitsandbytes.config``).
+    quantization mode (``estimator.integrations.bitsandbytes.config``); ``lora`` the rank of
+    PEFT LoRA adapters trained instead of the model (``_with_lora``).
     """
     spec = parse(text)
     transformers = spec.kind == "integration" and spec.target == "transformers"
@@ -165,7 +168,26 @@ def resolve(
         built = _cast(_integration(spec, batch, dtype, device_init, seq_len, quantize), dtype, model_too=False)
     else:
         built = _cast(_factory(spec), dtype)
-    return built
+    return built if lora is None else dataclasses.replace(built, model=_with_lora(built.model, lora))
+
+
+def _with_lora(model, rank: int):
+    """``model`` wrapped by PEFT with LoRA adapters of rank ``rank`` (``LoraConfig(r=rank)``: PEFT's
+    default target modules for a transformers model type it knows, else ``"all-linear"``)."""
+    from estimator.compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()  # PEFT imports transformers, which imports torchvision
+    try:
+        import peft
+    except ImportError as exc:
+        raise InputError(f"--lora needs PEFT ({exc}): pip install peft") from exc
+    try:
+        return peft.get_peft_model(model, peft.LoraConfig(r=rank))
+    except ValueError:  # "Please specify `target_modules`": not a model type PEFT knows
+        try:
+            return peft.get_peft_model(model, peft.LoraConfig(r=rank, target_modules="all-linear"))
+        except ValueError as exc:
+            raise InputError(f"--lora: PEFT cannot add LoRA adapters to this model: {exc}") from exc
 
 
 def _torch_dtype(dtype: str | None):

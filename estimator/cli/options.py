@@ -78,6 +78,7 @@ class Options:
     cache: str | None
     seq_len: int | None
     quantize: str | None
+    lora: int | None
 
 
 def model_options(func=None, *, strategy: bool = True):
@@ -123,6 +124,10 @@ def model_options(func=None, *, strategy: bool = True):
                           "quantization_config=BitsAndBytesConfig(...)) loads them (sized without the weights): "
                           "nf4, nf4-dq (double quantization), fp4, fp4-dq (4-bit compute dtype: --dtype, else bf16), "
                           "int8.  A Hub model quantized already (quantization_config in its config.json) needs none."),
+        click.option("--lora", type=click.IntRange(min=1), metavar="R",
+                     help="train LoRA adapters of rank R instead of the model (PEFT's LoraConfig(r=R): its default "
+                          "target modules for a transformers model it knows, else every linear layer), the rest "
+                          "frozen; with --quantize nf4-dq: QLoRA."),
         click.option("--device", callback=_device, default="cuda", show_default=True, metavar="DEVICE",
                      help="target device: cuda (the GPU of --gpu; no GPU needed here) or cpu (an index such as "
                           "cuda:1 is accepted)."),
