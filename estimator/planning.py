@@ -229,13 +229,19 @@ def qlora(model: nn.Module) -> nn.Module:
 
 def default_weights(model: nn.Module, mode: Any = "train") -> tuple[dict[str, Any], list[str]]:
     """The weights what-ifs of a train step (``{label: model transform}``: ``QLORA``) where
-    bitsandbytes and PEFT are installed and the model has linear layers, and the ones left out."""
+    bitsandbytes and PEFT are installed and linear layers hold at least half of the model's
+    parameters (a transformer's, not a conv net's classifier), and the ones left out."""
     import importlib.util
 
     if not isinstance(mode, str) or mode.lower() != "train":
         return {}, []
-    if not any(type(m) is nn.Linear for m in model.modules()):
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if type(m) is nn.Linear}
+    total = sum(p.numel() for p in model.parameters())
+    if not linear:
         return {}, [f"{QLORA}: the model has no nn.Linear layers"]
+    if 2 * sum(linear.values()) < total:  # QLoRA quantizes linears: a conv net's classifier is not the model
+        return {}, [f"{QLORA}: its linear layers hold {sum(linear.values()) / total:.0%} of the parameters "
+                    "(weights={...} asks for it)"]
     missing = [name for name in ("bitsandbytes", "peft") if importlib.util.find_spec(name) is None]
     if missing:
         return {}, [f"{QLORA}: {' and '.join(missing)} not installed (pip install {' '.join(missing)})"]

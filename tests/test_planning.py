@@ -84,6 +84,9 @@ def test_compare_offers_qlora(monkeypatch):
     row = result["QLoRA"]
     assert row.report.trainable_params == sum(p.numel() for p in transformed.parameters() if p.requires_grad)
     assert row.peak_bytes < result["single device"].peak_bytes and row.cost == planning.WEIGHTS_COST
+    conv = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.Linear(64, 2))  # 1,792 + 130 parameters
+    assert planning.default_weights(conv) == ({}, [f"{planning.QLORA}: its linear layers hold 7% of the parameters "
+                                                   "(weights={...} asks for it)"])
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else
                         real_find_spec(name, *a))

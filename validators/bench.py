@@ -64,11 +64,22 @@ print(json.dumps({"import_and_build_s": t1 - t0, "estimate_s": t2 - t1, "peak_by
 _COMPARE_CHILD = """
 import json, sys, time
 import estimator, models_zoo
+from estimator import planning
 from estimator.orchestrate import estimate, path, workers
 name, size, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model, make_sample, loss_fn = models_zoo.get(name, size, device="meta")
+transforms = []  # the QLoRA what-if's model transforms (the first imports PEFT), timed
+qlora = planning.qlora
+def timed_qlora(m):
+    t = time.perf_counter()
+    out = qlora(m)
+    transforms.append(time.perf_counter() - t)
+    return out
+planning.qlora = timed_qlora
 def compare(**kw):
-    return estimator.compare(model, make_sample(batch), batch, loss_fn=loss_fn, devices=4, device="cpu", **kw)
+    weights = {planning.QLORA: timed_qlora} if planning.default_weights(model)[0] else {}
+    return estimator.compare(model, make_sample(batch), batch, loss_fn=loss_fn, devices=4, device="cpu",
+                             weights=weights, **kw)
 t0 = time.perf_counter()
 estimator.report(model, make_sample(batch), batch=batch, loss_fn=loss_fn, device="cpu")
 t1 = time.perf_counter()
@@ -80,7 +91,8 @@ captures, current = {}, {}
 capture_formula, formula = estimate.capture_formula, path.formula
 def labelled(checked):  # the request whose step may be captured
     optimizer = None if checked.optimizer_name == "adamw" else checked.optimizer_name
-    current["label"] = checked.strategy.describe() + (f", {optimizer}" if optimizer else "")
+    current["label"] = (checked.strategy.describe() + (f", {optimizer}" if optimizer else "")
+                        + (f", {type(checked.model).__name__}" if checked.model is not model else ""))
     return capture_formula(checked)
 def timed(*args):  # a capture
     t = time.perf_counter()
@@ -92,6 +104,7 @@ t3 = time.perf_counter()
 compare(workers=1)
 t4 = time.perf_counter()
 print(json.dumps({"report_s": t1 - t0, "compare_s": t2 - t1, "serial_s": t4 - t3, "workers": workers.usable_cores(),
+                  "qlora_transform_s": transforms,
                   "strategies": [r.label for r in result.rows], "captures_s": captures}))
 """
 COMPARE_CASE = ("gpt", "gpt2-small", 8)
@@ -552,7 +565,10 @@ def compare_markdown(compare: dict) -> str:
          "pipeline's ranks transform captured steps; the captures, timed one by one in that run: "
          + ", ".join(f"{label} {t:.1f} s" for label, t in compare["captures_s"].items())
          + ". The compiled step's capture (Dynamo, AOTAutograd and Inductor's lowering, on fake tensors) is most of "
-           "it, and bounds the ratio from below on two cores."),
+           "it, and bounds the ratio from below on two cores."
+         + (f" The QLoRA row's model transform runs in this process before the captures: "
+            f"{compare['qlora_transform_s'][0]:.1f} s the first time (importing PEFT, which imports transformers), "
+            f"{compare['qlora_transform_s'][-1]:.1f} s once imported." if compare.get("qlora_transform_s") else "")),
         COMPARE_MARKS[1],
     ]) + "\n"
 
