@@ -691,3 +691,26 @@ def test_snapshot_of_an_output_held_across_steps_repeats_every_second_step():
     b_busy = ((SegmentKind.LARGE, ((12 * MiB, False),)), small,
               (SegmentKind.LARGE, ((12 * MiB, True),)))
     assert snapshots[1:] == [b_busy, a_busy, b_busy, a_busy]
+
+
+@pytest.mark.parametrize("cfg", [AllocatorConfig(), EXP], ids=["native", "expandable"])
+def test_a_copy_is_the_same_allocator_apart(cfg):
+    """``copy()``: the same state (snapshot, stats, handles), then each its own: the same events on
+    both give the same figures, events on one leave the other as it was.  Thousands of split
+    blocks in one segment (a chain ``copy.deepcopy`` would recurse along)."""
+    a = CachingAllocatorModel(cfg, device_total=GiB)
+    big = a.malloc(400 * MiB)
+    a.free(big)
+    live = [a.malloc(4096 * (1 + i % 7)) for i in range(3000)]  # splits of the cached 400 MiB block
+    for h in live[::2]:
+        a.free(h)
+    b = a.copy()
+    assert (b.snapshot(), b.stats) == (a.snapshot(), a.stats)
+    for x in (a, b):
+        x.free(live[1])
+        x.malloc(3 * MiB, stream=1)
+    assert (b.snapshot(), b.stats) == (a.snapshot(), a.stats)
+    before = (a.snapshot(), a.stats)
+    b.empty_cache()
+    b.malloc(100 * MiB)
+    assert (a.snapshot(), a.stats) == before != (b.snapshot(), b.stats)

@@ -129,3 +129,20 @@ def test_gradients_a_user_step_keeps_come_with_the_first_backward():
     grads = {b for b, s in zip(rep.timeline.births, rep.timeline.storages) if s[1] is Category.GRADIENT and s[2] < 0}
     assert grads == {Born(Birth.BACKWARD)}
     assert rep.timeline.marks.model_returns is None  # a step function: what it returns dies with it
+
+
+def test_replay_both_is_the_two_replays():
+    """``replay_both`` replays the first step's ops once for both protocols: its figures are
+    ``replay_run``'s and ``replay_step``'s, replayed apart."""
+    from estimator.devices.cuda_run import replay_both, replay_run, replay_step
+    from estimator.vocab.allocator_options import AllocatorConfig
+
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    rep = estimator.report(model, torch.randn(8, 256), device="cuda")
+    timeline = rep.timeline
+    for cfg in (AllocatorConfig(), AllocatorConfig.parse("expandable_segments:True")):
+        workspaces = [(0, 8 * 2**20)]
+        run, step = replay_both(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
+        assert run == replay_run(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
+        assert step == replay_step(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
+        assert run.steps >= 3 and step.peak_allocated > 0

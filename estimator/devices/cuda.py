@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from estimator.account import Timeline
 from estimator.corrections.cuda import not_modelled
-from estimator.devices.cuda_run import replay_run, replay_step
+from estimator.devices.cuda_run import replay_both
 from estimator.vocab.categories import Phase
 from estimator.vocab.gpus import cublas_workspace_bytes, cublaslt_extra_bytes
 from estimator.vocab.target import TargetSpec
@@ -103,13 +103,13 @@ def workspace_bytes(spec: TargetSpec) -> int:
 
 def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None = None) -> CudaMemory:
     """Replay a run (``cuda_run.replay_run``) and one step after a warm-up step and
-    ``empty_cache()`` (``cuda_run.replay_step``) at ``b`` through the caching-allocator model.
+    ``empty_cache()`` (``cuda_run.replay_step``) at ``b`` through the caching-allocator model
+    (``cuda_run.replay_both``: the first step's ops once).
     ``capacity`` (bytes the allocator may reserve) raises ``OutOfMemory`` when exceeded."""
     firsts, size = cublas_first_uses(timeline), workspace_bytes(spec)
     workspaces = [(i, size) for i in firsts]
     total = None if spec.gpu is None else spec.gpu.total_memory
-    step = replay_step(timeline, b, spec.allocator, workspaces, capacity, total)
-    run = replay_run(timeline, b, spec.allocator, workspaces, capacity, total)
+    run, step = replay_both(timeline, b, spec.allocator, workspaces, capacity, total)
     stats = run.stats
     return CudaMemory(b, stats.peak_allocated, stats.peak_reserved, spec.context_bytes, len(firsts) * size,
                       len(firsts), stats.segments, step.peak_allocated, step.peak_reserved, run.steps, run.repeated,

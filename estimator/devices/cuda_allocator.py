@@ -79,6 +79,7 @@ by segment creation, which the synthetic addresses follow).
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import enum
 import operator
@@ -305,6 +306,14 @@ class _Pool:
         del self.unmapped_keys[bisect.bisect_left(self.unmapped_keys, (b.stream, b.addr))]
         del self.unmapped[b.stream, b.addr]
 
+    def copy(self, blocks: dict[int, _Block]) -> _Pool:
+        """This pool over the copies ``blocks`` (by the id of each original)."""
+        other = copy.copy(self)
+        other.keys, other.unmapped_keys = list(self.keys), list(self.unmapped_keys)
+        other.blocks = {k: blocks[id(b)] for k, b in self.blocks.items()}
+        other.unmapped = {k: blocks[id(b)] for k, b in self.unmapped.items()}
+        return other
+
     def gc_count(self, b: _Block) -> int:
         """``Block::gc_count``: get_free_block calls on this pool since ``b`` was cached."""
         return self.get_free_blocks_call_count - b.gc_count_base
@@ -390,6 +399,31 @@ class CachingAllocatorModel:
         self._expandable_segments: list[_ExpandableSegment] = []
 
     # --- public API ---------------------------------------------------------------------
+    def copy(self) -> CachingAllocatorModel:
+        """An independent copy of this allocator's state (``copy.deepcopy`` would recurse along
+        each segment's chain of blocks, thousands deep)."""
+        other = copy.copy(self)
+        segments = {id(e): copy.copy(e) for e in self._expandable_segments}
+        other._expandable_segments = [segments[id(e)] for e in self._expandable_segments]
+        blocks: dict[int, _Block] = {}
+        chains = [*self._live.values(), *self._small.blocks.values(), *self._large.blocks.values(),
+                  *self._small.unmapped.values(), *self._large.unmapped.values()]
+        for start in chains:
+            b = start
+            while b is not None and b.prev is not None:  # every block of its segment, from the first
+                b = b.prev
+            while b is not None and id(b) not in blocks:
+                blocks[id(b)] = dataclasses.replace(b, segment=segments.get(id(b.segment), b.segment))
+                b = b.next
+        for new in blocks.values():
+            new.prev = None if new.prev is None else blocks[id(new.prev)]
+            new.next = None if new.next is None else blocks[id(new.next)]
+        other._live = {h: None if b is None else blocks[id(b)] for h, b in self._live.items()}
+        other._small, other._large = self._small.copy(blocks), self._large.copy(blocks)
+        other._allocated, other._reserved, other._requested = (
+            copy.copy(self._allocated), copy.copy(self._reserved), copy.copy(self._requested))
+        return other
+
     @property
     def stats(self) -> AllocatorStats:
         return AllocatorStats(

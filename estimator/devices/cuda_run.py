@@ -70,7 +70,7 @@ def replay_run(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: lis
     first step and holds from then on (the cuBLAS workspaces).  ``capacity`` and ``device_total``:
     as ``CachingAllocatorModel`` takes them.
     """
-    return _replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total, max_steps)
+    return _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total).steps(max_steps)
 
 
 def replay_step(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: list[tuple[int, int]],
@@ -78,54 +78,86 @@ def replay_step(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: li
     """One steady step measured after a warm-up step, as a benchmark measures it: the model
     loaded, one batch moved, a first step (what it returns freed at once), ``empty_cache()``,
     ``reset_peak_memory_stats()``, a second step on the same batch: its peaks."""
-    plan = _Plan(timeline, b, workspaces)
-    plan.returns, plan.same_batch = None, True  # what the warm-up step returns is deleted; one batch
-    return _replay(plan, timeline, cfg, capacity, device_total, 2, reset_after_first=True).stats
+    replay = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total)
+    return replay.warm_up_protocol().steps(2, reset_after_first=True).stats
 
 
-def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int | None, device_total: int | None,
-            max_steps: int, reset_after_first: bool = False) -> Run:
-    alloc = CachingAllocatorModel(cfg, capacity, device_total=device_total)
-    handles: dict[Hashable, int] = {}
-    previous: list[tuple[int, int]] = []  # the previous step's output and loss: (handle, bytes)
-    carried = [0, 0]  # bytes in ``previous`` now, and when the allocated peak was last raised
+def replay_both(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: list[tuple[int, int]],
+                capacity: int | None = None, device_total: int | None = None) -> tuple[Run, AllocatorStats]:
+    """``replay_run`` and ``replay_step`` of one plan: the two are the same up to the end of the
+    first step's ops (only what the first step returns is handled apart: kept until the next model
+    call in a run, freed at once in the benchmark's protocol), so that part is replayed once and
+    the allocator's state copied.  The step's replay runs first: an ``OutOfMemory`` is raised as by
+    ``replay_step`` then ``replay_run``."""
+    run = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total)
+    run.first_ops()
+    step = run.fork().warm_up_protocol().steps(2, reset_after_first=True).stats
+    return run.steps(MAX_STEPS), step
 
-    def new(key: Hashable, nbytes: int, stream: int = 0) -> None:
-        peak = alloc.peak_allocated
-        handles[key] = alloc.malloc(nbytes, stream)
-        if alloc.peak_allocated > peak:
-            carried[1] = carried[0]
 
-    def drop(key: Hashable) -> None:
-        handle = handles.pop(key, None)
+class _Replay:
+    """The allocator's state over a replayed run of ``plan``'s steps."""
+
+    def __init__(self, plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int | None,
+                 device_total: int | None) -> None:
+        self.plan, self.n_ops = plan, len(timeline.ops)
+        self.alloc = CachingAllocatorModel(cfg, capacity, device_total=device_total)
+        self.handles: dict[Hashable, int] = {}
+        self.previous: list[tuple[int, int]] = []  # the previous step's output and loss: (handle, bytes)
+        self.carried = [0, 0]  # bytes in ``previous`` now, and when the allocated peak was last raised
+        self.returns, self.same_batch = plan.returns, False  # a new batch every step (else one, moved once)
+        self.done = 0  # steps whose ops were replayed
+        self.seen: set = set()  # the allocator's state after each steady step
+        self.figures: list[tuple] = []  # the peaks, reserved bytes and segments after each step
+        for key in plan.loaded:
+            self._new(key, plan.sizes[key])
+
+    def warm_up_protocol(self) -> _Replay:
+        """A benchmark's protocol: what the warm-up step returns is deleted at once; one batch."""
+        self.returns, self.same_batch = None, True
+        return self
+
+    def fork(self) -> _Replay:
+        """A copy of this replay's state (the plan shared)."""
+        import copy
+
+        other = copy.copy(self)
+        other.alloc, other.handles, other.previous = self.alloc.copy(), dict(self.handles), list(self.previous)
+        other.carried, other.seen, other.figures = list(self.carried), set(self.seen), list(self.figures)
+        return other
+
+    def _new(self, key: Hashable, nbytes: int, stream: int = 0) -> None:
+        peak = self.alloc.peak_allocated
+        self.handles[key] = self.alloc.malloc(nbytes, stream)
+        if self.alloc.peak_allocated > peak:
+            self.carried[1] = self.carried[0]
+
+    def _drop(self, key: Hashable) -> None:
+        handle = self.handles.pop(key, None)
         if handle is not None:
-            alloc.free(handle)
+            self.alloc.free(handle)
 
-    for key in plan.loaded:
-        new(key, plan.sizes[key])
-    seen: set = set()  # the allocator's state after each steady step
-    figures = []  # the peaks, reserved bytes and segments after each step
-    for n in range(max_steps):
-        first = n == 0
-        if reset_after_first and n == 1:
-            alloc.empty_cache()
-            alloc.reset_peak_stats()
-            carried[1] = 0
+    def first_ops(self) -> None:
+        """The first step's batch and ops (what ``steps`` replays first)."""
+        self._ops()
+
+    def _ops(self) -> None:
+        plan, first, new, drop = self.plan, self.done == 0, self._new, self._drop
         for key in plan.batch:
-            if not (plan.same_batch and key in handles):
+            if not (self.same_batch and key in self.handles):
                 drop(key)
                 new(key, plan.sizes[key])
         for key in plan.frees.get(-1, ()):
             drop(key)
-        for i in range(len(timeline.ops) + 1):
+        for i in range(self.n_ops + 1):
             if first:
                 for key, nbytes in plan.born.get(i, ()):
                     new(key, nbytes)
-            if i == plan.returns:
-                for handle, _ in previous:
-                    alloc.free(handle)
-                previous, carried[0] = [], 0
-            if i == len(timeline.ops):
+            if i == self.returns:
+                for handle, _ in self.previous:
+                    self.alloc.free(handle)
+                self.previous, self.carried[0] = [], 0
+            if i == self.n_ops:
                 break
             for key in plan.allocs.get(i, ()):
                 new(key, plan.sizes[key], plan.streams[i])
@@ -134,26 +166,40 @@ def _replay(plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int
                 drop("scratch")
             for key in plan.frees.get(i, ()):
                 drop(key)
-        for key in plan.survivors:
-            if key not in handles:
-                continue
-            if key in plan.replaces:  # the state the next step frees and makes again
-                handles[plan.replaces[key]] = handles.pop(key)
-            elif plan.returns is None:
-                drop(key)
-            else:
-                previous.append((handles.pop(key), plan.sizes[key]))
-                carried[0] += plan.sizes[key]
-        if n:
-            snapshot = alloc.snapshot()
-            if snapshot in seen:  # a cycle (often of two steps: blocks the output takes in turns), replayed once
-                return Run(alloc.stats, n + 1, True, carried[1])
-            seen.add(snapshot)
-        stats = alloc.stats
-        figures.append((stats.peak_allocated, stats.peak_reserved, stats.reserved, stats.segments))
-        if len(figures) > STABLE and len(set(figures[-STABLE - 1:])) == 1:
-            break
-    return Run(alloc.stats, len(figures), False, carried[1])
+        self.done += 1
+
+    def steps(self, max_steps: int, reset_after_first: bool = False) -> Run:
+        """Replay steps (from where the replay is) until the allocator's state repeats, the figures
+        are stable, or ``max_steps``; ``reset_after_first``: ``empty_cache()`` and the peaks reset
+        after the first step."""
+        plan, alloc = self.plan, self.alloc
+        for n in range(max_steps):
+            if reset_after_first and n == 1:
+                alloc.empty_cache()
+                alloc.reset_peak_stats()
+                self.carried[1] = 0
+            if self.done == n:
+                self._ops()
+            for key in plan.survivors:
+                if key not in self.handles:
+                    continue
+                if key in plan.replaces:  # the state the next step frees and makes again
+                    self.handles[plan.replaces[key]] = self.handles.pop(key)
+                elif self.returns is None:
+                    self._drop(key)
+                else:
+                    self.previous.append((self.handles.pop(key), plan.sizes[key]))
+                    self.carried[0] += plan.sizes[key]
+            if n:
+                snapshot = alloc.snapshot()
+                if snapshot in self.seen:  # a cycle (often of two steps: blocks the output takes in turns)
+                    return Run(alloc.stats, n + 1, True, self.carried[1])
+                self.seen.add(snapshot)
+            stats = alloc.stats
+            self.figures.append((stats.peak_allocated, stats.peak_reserved, stats.reserved, stats.segments))
+            if len(self.figures) > STABLE and len(set(self.figures[-STABLE - 1:])) == 1:
+                break
+        return Run(alloc.stats, len(self.figures), False, self.carried[1])
 
 
 class _Plan:
@@ -196,7 +242,6 @@ class _Plan:
         for n, (at, nbytes) in enumerate(workspaces):
             self.born.setdefault(at, []).append((("workspace", n), nbytes))
         self.returns = timeline.marks.model_returns
-        self.same_batch = False  # a new batch every step (else one batch, moved once)
         self.replaces = _replaced(timeline, self.survivors, self.sizes)
 
 
