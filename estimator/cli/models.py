@@ -174,9 +174,6 @@ def resolve(
 def _with_lora(model, rank: int):
     """``model`` wrapped by PEFT with LoRA adapters of rank ``rank`` (``LoraConfig(r=rank)``: PEFT's
     default target modules for a transformers model type it knows, else ``"all-linear"``)."""
-    from estimator.compat import ensure_torchvision_importable
-
-    ensure_torchvision_importable()  # PEFT imports transformers, which imports torchvision
     try:
         import peft
     except ImportError as exc:
