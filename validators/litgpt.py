@@ -271,15 +271,15 @@ class _MatMul4Bit041(torch.autograd.Function):
     dequantizing with the installed bitsandbytes' ``dequantize_4bit`` (an ``empty(shape, dtype)``
     of the weight's shape in its quantized dtype, as 0.41.1's): the weight dequantized, cast to the
     input's dtype and multiplied; ``ctx.tensors = (A, B)`` when an input needs a gradient, so the
-    input ``A`` stays alive until backward (bitsandbytes 0.42+ keeps ``(None, B)``); backward
+    input ``A`` stays alive until backward (the installed 0.50.2 keeps ``(None, B)``); backward
     dequantizes again.  0.41.1's transposes (``B`` is ``weight.t()``; ``dequantize_4bit`` turns
-    a transposed input's output back) are views."""
+    a transposed input's output back) are views.  A bias here is frozen (LoRA): no gradient."""
 
     @staticmethod
-    def forward(ctx, A, B, state):
+    def forward(ctx, A, B, state, bias):
         import bitsandbytes.functional as bnb_f
 
-        output = F.linear(A, bnb_f.dequantize_4bit(B, state).to(A.dtype))
+        output = F.linear(A, bnb_f.dequantize_4bit(B, state).to(A.dtype), bias)
         ctx.state = state
         ctx.tensors = (A, B) if any(ctx.needs_input_grad[:2]) else (None, None)
         return output
@@ -292,7 +292,7 @@ class _MatMul4Bit041(torch.autograd.Function):
         grad_a = None
         if ctx.needs_input_grad[0]:
             grad_a = torch.matmul(grad_output, bnb_f.dequantize_4bit(B, ctx.state).to(grad_output.dtype))
-        return grad_a, None, None
+        return grad_a, None, None, None
 
 
 def _linear4bit_041():
@@ -300,13 +300,13 @@ def _linear4bit_041():
 
     class Linear4bit041(bnb.nn.Linear4bit):
         """``bnb.nn.Linear4bit`` with bitsandbytes 0.41.1's forward (nn/modules.py 232-252): the input
-        cast to the compute dtype, ``matmul_4bit`` (autograd/_functions.py 566-579: ``MatMul4Bit``
-        for a training input), the output cast back; no bias here (Llama)."""
+        cast to the compute dtype (and the bias), ``matmul_4bit`` (autograd/_functions.py 566-579:
+        ``MatMul4Bit`` for a training input), the output cast back."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.bias is not None:
-                raise NotImplementedError("the stand-in's 0.41.1 Linear4bit has no bias (Llama 2)")
-            return _MatMul4Bit041.apply(x.to(self.compute_dtype), self.weight, self.weight.quant_state).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+            return _MatMul4Bit041.apply(x.to(self.compute_dtype), self.weight, self.weight.quant_state,
+                                        bias).to(x.dtype)
 
     return Linear4bit041
 
