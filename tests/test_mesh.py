@@ -277,6 +277,22 @@ def test_parallelize_errors_are_named():
         dist.destroy_process_group()
 
 
+def test_a_mix_of_dtensor_and_plain_parameters_is_explained():
+    """Tensor parallelism that leaves some parameters plain: CUDA's default foreach AdamW puts both
+    kinds in one call, which fails in a real run as in the capture; the error says so and what to do."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    def first_only(model, mesh):
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(output_layouts=Replicate())})
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with pytest.raises(CaptureError, match="got mixed torch.Tensor and DTensor.*A real run fails the same way.*"
+                                           "foreach=False"):
+        estimator.report(model, torch.randn(4, 16), device="cuda",
+                         strategy=Strategy(mesh={"tp": 2}, parallelize=first_only))
+
+
 def test_cli_mesh_and_parallelize():
     result = CliRunner().invoke(cli, ["report", "mlp", "--device", "cpu", "-q", "--mesh", "dp_shard=4",
                                       "--parallelize", "models_zoo.parallelize:fsdp"])

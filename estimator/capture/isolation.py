@@ -151,8 +151,18 @@ def errors_named(symbolic: bool):
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if where:
             message += f" (at {where})"
+        if "got mixed torch.Tensor and DTensor" in str(exc):
+            message += _MIXED_DTENSORS
         cls = SymbolicCaptureFailed if symbolic else CaptureError
         raise cls(f"the model could not be run on fake tensors: {message}") from exc
+
+
+# torch.optim's foreach path (the CUDA default) takes DTensors (torch/distributed/tensor/__init__.py appends
+# DTensor to optimizer._foreach_supported_types) and groups parameters by device and dtype only
+# (Optimizer._group_tensors_by_device_and_dtype): a DTensor and a plain parameter land in one foreach call
+_MIXED_DTENSORS = (". A real run fails the same way: the optimizer's foreach path (CUDA's default) puts DTensor and "
+                   "plain parameters of one dtype in one call; distribute every parameter in your parallelize "
+                   "function (norms too: SequenceParallel, or replicate them) or pass foreach=False")
 
 
 def user_frame(exc: BaseException) -> str | None:
