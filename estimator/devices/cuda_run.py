@@ -38,6 +38,7 @@ update, not all at the start of ``step()``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def replay_both(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: li
     the allocator's state copied.  The step's replay runs first: an ``OutOfMemory`` is raised as by
     ``replay_step`` then ``replay_run``."""
     run = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total)
-    run.first_ops()
+    run.step_ops()  # the first step's
     step = run.fork().warm_up_protocol().steps(2, reset_after_first=True).stats
     return run.steps(MAX_STEPS), step
 
@@ -119,8 +120,6 @@ class _Replay:
 
     def fork(self) -> _Replay:
         """A copy of this replay's state (the plan shared)."""
-        import copy
-
         other = copy.copy(self)
         other.alloc, other.handles, other.previous = self.alloc.copy(), dict(self.handles), list(self.previous)
         other.carried, other.seen, other.figures = list(self.carried), set(self.seen), list(self.figures)
@@ -137,11 +136,8 @@ class _Replay:
         if handle is not None:
             self.alloc.free(handle)
 
-    def first_ops(self) -> None:
-        """The first step's batch and ops (what ``steps`` replays first)."""
-        self._ops()
-
-    def _ops(self) -> None:
+    def step_ops(self) -> None:
+        """The next step's batch and ops (``steps`` then handles what the step leaves)."""
         plan, first, new, drop = self.plan, self.done == 0, self._new, self._drop
         for key in plan.batch:
             if not (self.same_batch and key in self.handles):
@@ -179,7 +175,7 @@ class _Replay:
                 alloc.reset_peak_stats()
                 self.carried[1] = 0
             if self.done == n:
-                self._ops()
+                self.step_ops()
             for key in plan.survivors:
                 if key not in self.handles:
                     continue
