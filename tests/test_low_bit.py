@@ -114,12 +114,13 @@ def test_compiled_update_on_the_cuda_target():
 
 @pytest.mark.parametrize("name, mode", [("qlora llama", "train"), ("qlora llama", "generate"),
                                         ("bnb qlora llama", "train"), ("bnb qlora llama", "generate"),
-                                        ("bnb int8 lora llama", "train")])
+                                        ("bnb int8 lora llama", "train"), ("bnb int8 lora llama", "generate")])
 def test_qlora_llama(name, mode):
     """QLoRA on a tiny Llama, as torchtune builds it (torchao's NF4 weights, bf16 LoRA adapters)
     and as Hugging Face users do (``from_pretrained`` with bitsandbytes' NF4 config, PEFT LoRA),
-    trained with AdamW and generating 8 tokens, and 8-bit weights (``load_in_8bit``) trained: one
-    report against real CPU runs at b = 2 and 8.  bitsandbytes' generate repacks the 4-bit
+    trained with AdamW and generating 8 tokens, and with 8-bit weights (``load_in_8bit``; generate()
+    multiplies with LLM.int8(), its outlier columns read on the sample): one report against real CPU
+    runs at b = 2 and 8.  bitsandbytes' generate repacks the 4-bit
     weights for the CPU at the first call (this host's branch, taken in the capture as in the run)."""
     from validators.low_bit import _QLORA_LIBRARY, compare_qlora
 

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimator.capture import compiled, watchdog
 from estimator.capture.shadows import Shadows
-from estimator.corrections.data_sizes import ACTIVE, OBSERVERS  # the seam corrections read
+from estimator.corrections.data_sizes import ACTIVE, OBSERVERS, inside_kernel  # the seam corrections read
 from estimator.vocab.data_dependent import SAMPLE, Policy, Site, Source
 from estimator.vocab.errors import CaptureError, InputError
 from estimator.vocab.symbolic import as_expr
@@ -193,7 +193,7 @@ class DataDependent(TorchDispatchMode):
             used = left if _le(left, used) else used
             pool[0] = sympy.expand(left - used)
             source = Source.BUDGET
-        self.sites[key] = Site(key, op, as_expr(upper), used, source, observed)
+        self.sites[key] = Site(key, op, as_expr(upper), used, source, observed, inside_kernel())
         return _symint(used, upper)
 
     def _choose(self, key: str, upper, known: tuple[int, int] | None = None):
@@ -654,6 +654,18 @@ def host_note(keys) -> tuple[str, ...]:
             "this sample's values",)
 
 
+_MANY_MODULES = 8  # more modules than this with one data-dependent op share one note
+
+
+def _merged_note(op: str, source, modules: list[str], group: list[Site]) -> str:
+    uppers = ", ".join(sorted({str(g.upper) for g in group}, key=lambda u: (len(u), u)))
+    used = sorted({str(g.used) for g in group}, key=lambda u: (len(u), u))
+    return (f"data-dependent sizes of {op} in {len(modules)} modules ({modules[0]} … {modules[-1]}), {len(group)} "
+            f"calls: 0 ≤ n ≤ {uppers}; used n = {', '.join(used)}, {source.value}. Override per call, e.g. "
+            f"report(..., data_dependent={{{group[0].site!r}: n, ...}}), or for all with a fraction: "
+            "data_dependent=0.01")
+
+
 def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:
     """The data-dependent sizes used, one note per module and op whose calls share a bound and a
     source (an MoE layer's experts): the sites, the range, the values used and why."""
@@ -661,8 +673,17 @@ def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:
     for site in sites:
         module, _, rest = site.site.rpartition(":")
         groups.setdefault((module, rest.split("#")[0], str(site.upper), site.source), []).append(site)
-    out = []
+    modules: dict[tuple, list[str]] = {}  # (op, source) -> its modules
+    for module, op, _, source in groups:
+        modules.setdefault((op, source), []).append(module)
+    out, merged = [], set()
     for (module, op, upper, source), group in groups.items():
+        many = modules[op, source]
+        if len(many) > _MANY_MODULES:  # every quantized linear of a model: one note for the op
+            if (op, source) not in merged:
+                merged.add((op, source))
+                out.append(_merged_note(op, source, many, [s for s in sites if s.op == op and s.source is source]))
+            continue
         ks = [int(g.site.rpartition("#")[2]) for g in group]
         calls = f"#{ks[0]}" if len(ks) == 1 else (
             f"#{ks[0]}–#{ks[-1]}" if ks == list(range(ks[0], ks[-1] + 1)) else "#" + ", #".join(map(str, ks)))

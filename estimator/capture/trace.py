@@ -65,7 +65,7 @@ from estimator.corrections.mode import Substitutions
 from estimator.vocab import progress
 from estimator.vocab.bookkeeping import collector_fresh
 from estimator.vocab.categories import Born, Category, Mode, Phase
-from estimator.vocab.data_dependent import Policy
+from estimator.vocab.data_dependent import Policy, Source
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import B, Poly
 
@@ -202,8 +202,9 @@ def _stood_in(model: nn.Module, stand_in: nn.Module, sample: Any, probe_sample: 
     except datadep.NeedsProbe as exc:  # a value the stand-in's run did not ask: one that follows the weights
         raise CaptureError(f"{exc}: the weights are on the meta device and a narrow stand-in's run does not ask "
                            f"it; {real_weights}") from None
-    if raw.data_dependent:
-        raise CaptureError(f"generate() of this model routes tokens by its weights ({raw.data_dependent[0].site}), "
+    steering = [s for s in raw.data_dependent if not s.in_kernel or s.source is Source.SAMPLE]
+    if steering:  # the stand-in's run would route tokens by its own weights, or size them
+        raise CaptureError(f"generate() of this model routes tokens by its weights ({steering[0].site}), "
                            f"which are on the meta device: {real_weights}")
     raw.notes += (f"generate() asks values fake tensors cannot know (whether a prompt is padded, whether every "
                   f"sequence has finished: {len(probed.values)} of them); the weights are on the meta device, so "
@@ -239,7 +240,7 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
                 fn(target, sample, state)
 
     try:
-        with Watchdog(), isolation.errors_named(False):
+        with Watchdog(), isolation.errors_named(False), corrections.capture_contexts(spec.target):
             found = datadep.probe(target, sample, forward, grad=spec.step is not None)
     finally:
         model.train(training)
@@ -417,6 +418,7 @@ def _step_modes(spec: StepSpec, symbolic: bool, mode: FakeTensorMode, dd: datade
         # arguments of substituted functions before the substitutes see them).
         if eager and spec.target.is_cuda and spec.precision.amp:
             stack.enter_context(cuda_autocast.emulate())
+        stack.enter_context(corrections.capture_contexts(spec.target))  # libraries' device branches, the target's
         # Not only Strategy(checkpoint=): a model's own checkpointing (transformers'
         # activation_checkpointing_enable) and user code save the RNG state the same way.
         if not spec.target.is_cuda:

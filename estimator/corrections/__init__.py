@@ -31,6 +31,7 @@ from estimator.corrections.registry import (
     apply_model_rules,
     apply_optimizer_rules,
     bind,
+    capture_contexts,
     correction,
     fake_kernel,
     fake_kernel_for,
@@ -46,10 +47,11 @@ from estimator.corrections.registry import (
     substitute,
     substitutes,
     substitution,
+    while_capturing,
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "correction", "fake_kernel", "fake_kernel_for",
+    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "capture_contexts", "correction", "fake_kernel", "fake_kernel_for",
     "has_substitutes", "host_state", "in_managed_memory", "lookup", "managed_state", "model_rule", "on_host",
-    "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
+    "optimizer_rule", "registered", "substitute", "substitutes", "substitution", "while_capturing",
 ]

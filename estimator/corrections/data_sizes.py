@@ -10,11 +10,13 @@ call.  Outside a capture ``active()`` is None and ``count`` gives the safe bound
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 ACTIVE: list[Any] = []  # the capture's DataDependent modes, innermost last
 OBSERVERS: dict[Any, Callable] = {}  # op -> fn(args, kwargs, out) -> (n, upper), read by the probe
+_KERNELS: list[str] = []  # the corrections' kernels running now (``in_kernel``), innermost last
 
 
 def active() -> Any | None:
@@ -28,6 +30,23 @@ def count(op: str, upper, mask=None):
     capture: ``upper``."""
     mode = active()
     return upper if mode is None else mode.size(op, upper, mask)
+
+
+@contextlib.contextmanager
+def in_kernel(name: str):
+    """While a correction runs kernel ``name``'s code: the data-dependent sizes it asks (``count``, the
+    masks of the torch ops it runs) size that kernel's own buffers, and no code of the model branches
+    on them, so their bound holds whatever real run gave the capture its values (a narrow stand-in's,
+    for ``generate()`` of a model on the meta device: ``capture.trace._stood_in``)."""
+    _KERNELS.append(name)
+    try:
+        yield
+    finally:
+        _KERNELS.pop()
+
+
+def inside_kernel() -> bool:
+    return bool(_KERNELS)
 
 
 def observes(*ops):

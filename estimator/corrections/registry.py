@@ -1,7 +1,7 @@
 """Per-op knowledge: memory the fake run does not see, or sees wrongly, per target device.
 
 The capture runs the step on fake CPU tensors.  What the real kernels of a target do
-differently lives here, in one registry, with seven kinds of entries (and ``@measured``, below):
+differently lives here, in one registry, with these kinds of entries (and ``@measured``, below):
 
 - ``@correction(op, targets=...)``: a ``Fix`` for one aten op's memory (below);
 - ``@substitute(fn, targets=...)``: a torch function replaced while capturing for a target,
@@ -14,6 +14,10 @@ differently lives here, in one registry, with seven kinds of entries (and ``@mea
 - ``@model_rule(targets=...)``: what a target changes in the model's fake copy before the step
   (a library's host-specific choice made when the model was built: bitsandbytes' CPU repacking
   of 4-bit weights, off for the CUDA target);
+- ``@while_capturing(targets=...)``: a context entered around the step (and the probe's real run)
+  while capturing for a target, where a library branches on the tensors' device type in a
+  function of its own (bitsandbytes' ``matmul``: the CPU's 8-bit training path, a CUDA tensor's
+  other), so that the fake CPU tensors take the target's branch;
 - ``@managed_state(targets=...)``: optimizer state the target keeps in CUDA managed memory,
   outside the caching allocator (bitsandbytes' paged optimizers): its own figure, in the
   device's memory but not in the allocator's;
@@ -105,6 +109,7 @@ _HOST_RULES: dict[Target, list[HostRule]] = {}
 _MANAGED_RULES: dict[Target, list[HostRule]] = {}
 _MODEL_RULES: dict[Target, list[Callable[[Any, nn.Module], None]]] = {}
 _FAKE_KERNELS: dict[tuple[Target, Any], Callable[..., Any]] = {}
+_CONTEXTS: dict[Target, list[Callable[[Any], contextlib.AbstractContextManager]]] = {}
 
 
 def _targets(targets: Iterable[Target]) -> tuple[Target, ...]:
@@ -358,6 +363,20 @@ def has_substitutes(target: Target) -> bool:
 def model_rule(*, targets: Iterable[Target]) -> Callable:
     """Register ``rule(target_spec, model)``, applied to the fake copy of the model."""
     return _appending(_MODEL_RULES, targets)
+
+
+def while_capturing(*, targets: Iterable[Target]) -> Callable:
+    """Register ``context(target_spec)``, a context manager entered around the step and the probe."""
+    return _appending(_CONTEXTS, targets)
+
+
+@contextlib.contextmanager
+def capture_contexts(spec):
+    """Every ``@while_capturing`` context of ``spec.device`` (a ``TargetSpec``), entered in order."""
+    with contextlib.ExitStack() as stack:
+        for context in _CONTEXTS.get(spec.device, ()):
+            stack.enter_context(context(spec))
+        yield
 
 
 def apply_model_rules(spec, model: nn.Module) -> None:

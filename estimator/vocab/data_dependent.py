@@ -92,3 +92,4 @@ class Site:
     used: Any
     source: Source
     observed: tuple[int, int] | None = None  # (n, upper) on the sample, when probed
+    in_kernel: bool = False  # asked inside a kernel's own code: it sizes that kernel's buffers alone

@@ -15,7 +15,13 @@ through ctypes and run as their fake kernels, whose outputs are what the CPU ker
 (``torch.empty`` of ``out`` and ``absmax``; the native code allocates nothing of torch's).
 
 On the CUDA target a paged optimizer's large state buffers live in CUDA managed memory
-(``paged_state``): the report's own row, outside the caching allocator.  4-bit weights
+(``paged_state``): the report's own row, outside the caching allocator.  8-bit weights
+(``Linear8bitLt``, ``BitsAndBytesConfig(load_in_8bit=True)``): a CUDA run multiplies with
+``MatMul8bitLt`` in training too, where the CPU takes ``MatMul8bitFp`` (``cuda_int8_matmul``), and
+its LLM.int8() ops (activations quantized per row, the outlier columns past the threshold kept in
+16 bits, an int8 matmul dequantized) allocate as the CUDA backend's kernels do (``cuda_int8_*``);
+how many columns hold outliers depends on the values: the capture's ``data_dependent`` policy
+decides (the bound: every column), the probe reads it from a real call.  4-bit weights
 (``Linear4bit``, what ``BitsAndBytesConfig(load_in_4bit=True)`` builds): the CPU repacks them
 for AVX512-BF16 at the first inference call, a CUDA run never does (``cuda_weights_not_repacked``);
 their CUDA inference matmul, ``bitsandbytes::gemm_4bit``, is priced by ``cuda_gemm_4bit`` from
@@ -26,11 +32,16 @@ they are on either target.
 from __future__ import annotations
 
 import torch
+from bitsandbytes.autograd import _functions as autograd_functions
 from bitsandbytes.backends.cpu import ops as cpu_ops
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from estimator.corrections.data_sizes import count, in_kernel, observes
 from estimator.corrections.patches import patched
-from estimator.corrections.registry import managed_state, model_rule, substitute
+from estimator.corrections.registry import managed_state, model_rule, substitute, while_capturing
 from estimator.vocab.categories import Target
+
+int8 = torch.ops.bitsandbytes
 
 _KERNELS = {
     "optimizer_update_8bit_blockwise": cpu_ops._optimizer_update_8bit_blockwise_cpu,
@@ -135,3 +146,158 @@ def uses_fused_kernel(spec, dtype: torch.dtype, M, N: int, K: int, blocksize: in
 def _gemm_4bit_reference(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
                          absmax_offset=None):
     """``bitsandbytes::gemm_4bit``'s signature (bitsandbytes/_ops.py), to bind a call's arguments."""
+
+
+# -- 8-bit weights (LLM.int8(): bitsandbytes/autograd/_functions.py MatMul8bitLt) ----------------------------
+# Its ops' fake kernels (bitsandbytes/_ops.py) ask a dynamic size for the outlier columns, and size
+# ``int8_mixed_scaled_mm``'s saved input as a 1-D int64 tensor; the entries below allocate as each
+# target's kernels do (backends/cuda/ops.py; backends/default/ops.py and backends/cpu/ops.py for the
+# CPU), the number of outlier columns from the capture's policy (``count``).
+@while_capturing(targets=Target.CUDA)
+def cuda_int8_matmul(spec):
+    """``bitsandbytes.matmul`` (autograd/_functions.py) trains with ``MatMul8bitFp`` (the weight
+    dequantized, a floating-point matmul) where ``A.device.type in ("cpu", "xpu")``, else with
+    ``MatMul8bitLt``, as it always infers: a CUDA tensor's branch is ``MatMul8bitLt``.  The fake
+    tensors are CPU tensors, so the CUDA target's capture (and its probe) name ``MatMul8bitLt`` where
+    ``matmul`` names ``MatMul8bitFp``."""
+    return patched(autograd_functions, "MatMul8bitFp", autograd_functions.MatMul8bitLt)
+
+
+def _outlier_columns(A: torch.Tensor, outliers: torch.Tensor, site: str) -> torch.Tensor:
+    """``torch.argwhere(outliers.any(dim=0)).view(-1)`` where ``outliers.any()``, else an empty
+    int64 tensor: the number of columns is data-dependent, ``site``'s size under the capture's
+    policy (at most every column)."""
+    outliers.any()  # the branch's 0-dim test
+    n = count(site, A.shape[-1])
+    if isinstance(n, int) and n == 0:
+        return torch.empty(0, device=A.device, dtype=torch.int64)
+    any_column = outliers.any(dim=0)  # noqa: F841  (alive until argwhere returns)
+    return torch.empty((n, 1), device=A.device, dtype=torch.int64).view(-1)  # argwhere's output
+
+
+def _vectorwise_quant(cpu: bool, A: torch.Tensor, threshold: float = 0.0, site: str = "int8_vectorwise_quant"):
+    """``bitsandbytes::int8_vectorwise_quant``.  CUDA (backends/cuda/ops.py): the row stats and int8
+    rows (``cint8_vector_quant`` writes them, nothing else), the outlier mask ``A.abs() >= threshold``
+    alive until it returns, the outlier columns, those columns of the int8 rows zeroed where there
+    are several rows.  CPU (backends/default/ops.py): the mask and columns, the outliers copied out
+    (``A[outliers].clone()``) and zeroed in ``A``, the row absmax in fp32, the rows scaled, rounded
+    and cast, the columns zeroed, the outliers put back."""
+    rows = A.numel() // A.shape[-1]
+    several = not statically_known_true(rows == 1)  # ``rows > 1`` without a guard on b
+    if not cpu:
+        row_stats = torch.empty(rows, device=A.device, dtype=torch.float32)
+        out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    outlier_cols = outliers = restore = None
+    if threshold > 0.0:
+        outliers = A.abs() >= threshold
+        outlier_cols = _outlier_columns(A, outliers, site)
+        if cpu and outlier_cols.numel():
+            restore = A[outliers].clone()
+            A[outliers] = 0
+    if cpu:
+        row_stats = torch.max(A.abs(), dim=1).values.float()
+        out_row = torch.round(A * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
+    if outlier_cols is not None and several:
+        out_row[:, outlier_cols] = 0
+    if restore is not None:
+        A[outliers] = restore
+    del outliers, restore
+    return out_row, row_stats, outlier_cols
+
+
+def _double_quant(A: torch.Tensor, threshold: float = 0.0):
+    """``bitsandbytes::int8_double_quant``'s CUDA kernel (backends/cuda/ops.py; the CPU has none):
+    ``int8_vectorwise_quant``'s rows and outlier columns, then ``_get_col_absmax`` (``A.abs()`` with
+    the outliers masked in place, its column amax in fp32), ``A.masked_fill(outlier_mask, 0)`` and the
+    int8 columns ``round(A.mul(127) / col_stats).to(int8)``."""
+    quant_row, row_stats, outlier_cols = _vectorwise_quant(False, A, threshold, "int8_double_quant")
+    absA = A.abs().view(-1, A.shape[-1])
+    outlier_mask = None
+    if threshold > 0.0:
+        outlier_mask = absA >= threshold
+        absA.masked_fill_(outlier_mask, 0.0)
+    col_stats = absA.amax(dim=0, keepdim=False).float()
+    del absA
+    if outlier_mask is not None:
+        A = A.masked_fill(outlier_mask, 0.0)
+    del outlier_mask
+    quant_col = torch.round(A.mul(127.0) / col_stats.unsqueeze(0)).to(torch.int8)
+    return quant_row, quant_col, row_stats, col_stats.flatten().float(), outlier_cols
+
+
+def _linear_matmul(cpu: bool, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``bitsandbytes::int8_linear_matmul``.  CUDA: the int32 output, written by cuBLASLt
+    (``cigemmlt_32``); where the inner dimension is not a multiple of 4, the fp32 fallback
+    ``torch.matmul(A.float(), B.float().t()).to(int32)`` copied into it.  CPU: ``torch._int_mm``
+    where bitsandbytes registered it (torch >= 2.6 on an AVX-512 host: ``cpu_ops._has_avx512``,
+    read on this host), else the default kernel's fp32 matmul cast to int32."""
+    if cpu and cpu_ops._has_avx512 and torch.__version__ >= (2, 6):
+        return torch._int_mm(A.reshape(-1, A.shape[-1]), B.t()).reshape(*A.shape[:-1], B.shape[0])
+    if cpu:
+        return torch.matmul(A.float(), B.float().t()).to(torch.int32)
+    out = torch.empty((*A.shape[:-1], B.shape[0]), device=A.device, dtype=torch.int32)
+    if A.shape[-1] % 4 != 0:
+        out.copy_(torch.matmul(A.float(), B.float().t()).to(torch.int32))
+    return out
+
+
+def _mm_dequant(cpu: bool, A: torch.Tensor, row_stats, col_stats, dtype=None, bias=None) -> torch.Tensor:
+    """``bitsandbytes::int8_mm_dequant``.  CUDA: an fp16 output (``cdequant_mm_int32_fp16``, a bias
+    fused only in fp16, else added in place), cast to ``dtype``.  CPU (default kernel): the int32
+    product times the outer product of the stats and the constant, the bias added, cast."""
+    if cpu:
+        out = A.view(-1, A.shape[-1]) * (row_stats.reshape(-1).unsqueeze(-1) * col_stats.reshape(-1).unsqueeze(0)) \
+            * 6.200124e-05
+        if bias is not None:
+            out += bias
+        return out.to(dtype or torch.float16)
+    out = torch.empty_like(A, dtype=torch.float16)
+    if bias is not None and bias.dtype != torch.float16:
+        out.add_(bias)
+    return out.to(dtype or torch.float16)
+
+
+def _scaled_mm(cpu: bool, A, B, row_stats, col_stats, bias=None, dtype=None) -> torch.Tensor:
+    """``bitsandbytes::int8_scaled_mm`` (backends/default/ops.py, every device): the int32 matmul,
+    then its dequantization."""
+    return _mm_dequant(cpu, _linear_matmul(cpu, A, B), row_stats, col_stats, dtype=dtype or torch.float16, bias=bias)
+
+
+def _mixed_scaled_mm(cpu: bool, A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):
+    """``bitsandbytes::int8_mixed_scaled_mm`` (backends/default/ops.py, every device): the input's
+    outlier columns copied out (``A[:, outlier_cols]``, kept by ``MatMul8bitLt`` for backward), the
+    weight's dequantized (``int8_vectorwise_dequant``: fp32, then cast to ``A``'s dtype), the int8
+    matmul, and the outliers' product added (``output.addmm``: a new tensor)."""
+    subB = None
+    if outlier_cols is not None and outlier_cols.numel():
+        subA = A[:, outlier_cols].contiguous()
+        subB = (CB[:, outlier_cols].contiguous() * SCB.view(-1, 1) * 7.874015718698502e-3).to(A.dtype).t()
+    else:
+        subA = torch.empty(0, device=A.device, dtype=A.dtype)
+    output = _scaled_mm(cpu, CA, CB, SCA, SCB, bias=bias, dtype=A.dtype)
+    if subB is not None:
+        output = output.addmm(subA, subB)
+    return output, subA
+
+
+def _on_target(name: str, kernel):
+    def run(spec, func, args, kwargs):
+        with in_kernel(name):  # the outlier columns and values size the ops' buffers alone
+            return kernel(spec.device is Target.CPU, *args, **kwargs)
+
+    return run
+
+
+_INT8 = {"int8_vectorwise_quant": _vectorwise_quant, "int8_linear_matmul": _linear_matmul,
+         "int8_mm_dequant": _mm_dequant, "int8_scaled_mm": _scaled_mm, "int8_mixed_scaled_mm": _mixed_scaled_mm}
+for _name, _kernel in _INT8.items():
+    _packet = getattr(int8, _name)
+    substitute(_packet, _packet.default, targets=(Target.CPU, Target.CUDA))(_on_target(_name, _kernel))
+substitute(int8.int8_double_quant, int8.int8_double_quant.default, targets=Target.CUDA)(
+    _on_target("int8_double_quant", lambda cpu, *args, **kwargs: _double_quant(*args, **kwargs)))
+
+
+@observes(int8.int8_vectorwise_quant.default, int8.int8_double_quant.default)
+def _outliers_seen(args, kwargs, out):
+    """A real call's outlier columns (its last output), of the input's columns."""
+    return (0 if out[-1] is None else int(out[-1].numel())), int(args[0].shape[-1])
