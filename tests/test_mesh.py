@@ -82,6 +82,28 @@ def test_ranks_are_grouped_by_their_shards_at_1024_ranks():
     assert rep.ranks[0].report.breakdown[estimator.Category.COMMUNICATION] >= 1024 * 4
 
 
+@pytest.mark.parametrize("shape, chunks, dim", [((10, 3), 4, 0), ((8, 3), 4, 0), ((3, 5), 8, 0), ((0, 4), 3, 0),
+                                                ((250, 2), 1024, 0), ((6, 8), 4, 1), ((5,), 1, 0)])
+def test_chunks_made_when_read_are_fsdp2s_chunks(shape, chunks, dim):
+    """``world.Chunks`` stands for FSDP2's ``_chunk_with_empty`` while the job's parallelize function
+    runs (its ``world_size`` views cost a fake dispatch each: 1,024 ranks took twice as long): every
+    chunk, the padding's empties included, is the same view as FSDP2's own."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from estimator.capture.world import Chunks
+
+    t = torch.randn(shape)
+    ref, got = _chunk_with_empty(t, chunks, dim), Chunks(t, chunks, dim)
+    assert len(got) == len(ref)
+    for i in range(-len(ref), len(ref)):
+        a, b = ref[i], got[i]
+        assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset()), i
+        assert a.numel() == 0 or b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert [c.shape for c in got[1:3]] == [c.shape for c in ref[1:3]]
+    with pytest.raises(IndexError):
+        got[len(ref)]
+
+
 def test_a_second_capture_in_the_process_sees_its_own_mesh_only():
     """DTensor caches sharding decisions under specs that compare meshes by value: a second
     capture got back specs holding the first capture's mesh (its rank map counted too, +16 B)

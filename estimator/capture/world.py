@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterator
+import operator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from estimator.corrections.patches import patched
 from estimator.vocab.errors import CaptureError, FxmemError, InputError
 from estimator.vocab.strategy import function_name
 
@@ -113,7 +115,8 @@ def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
     """``fn(model, device_mesh)`` on the fake copy; what it raises is named as its own (fxmem's
     own plans raise their errors as they are)."""
     try:
-        out = fn(model, device_mesh)
+        with _chunks_when_read():
+            out = fn(model, device_mesh)
     except FxmemError:
         raise
     except Exception as exc:  # noqa: BLE001 (the user's code: any error is theirs, named)
@@ -123,6 +126,49 @@ def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
         raise InputError(f"Strategy(parallelize={function_name(fn)}) returned a new object ({type(out).__name__}); "
                          "fxmem estimates the model it hands the function, changed in place (as fully_shard and "
                          "parallelize_module change it): return None or the model")
+
+
+class Chunks(Sequence):
+    """``torch.chunk(tensor, num_chunks, dim)`` padded with empty tensors to ``num_chunks``
+    (FSDP2's ``_chunk_with_empty``, ``_fsdp_common.py``), each chunk made when it is read: the same
+    views (``aten::chunk``: ``split`` by ``ceil(size / num_chunks)``, the last one shorter; the
+    padding ``chunks[0].new_empty(0)``), without the others."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int):
+        self._tensor, self._dim, self._n = tensor, dim, num_chunks
+        self._size = tensor.size(dim)
+        self._step = -(-self._size // num_chunks)
+        self._made = num_chunks if self._step == 0 else -(-self._size // self._step)  # chunk's own pieces
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = operator.index(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"chunk {i} of {self._n}")
+        if i >= self._made:
+            return self[0].new_empty(0)
+        start = i * self._step
+        return self._tensor.narrow(self._dim, start, min(self._step, self._size - start))
+
+
+@contextlib.contextmanager
+def _chunks_when_read() -> Iterator[None]:
+    """FSDP2 shards each parameter with ``_chunk_with_empty(param, world_size, dim)`` and reads its
+    own rank's chunk and the first (``_fsdp_param.py``, ``_init_sharded_param`` and
+    ``_init_sharded_post_forward_param_metadata``); on fake tensors each of the ``world_size``
+    views is a dispatch through the fake mode (0.1 s per parameter at 1,024 ranks, about half of a
+    capture).  While the job's parallelize function runs, ``_fsdp_param``'s name gives ``Chunks``:
+    the chunks it reads, the same views."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    with patched(vars(_fsdp_param), "_chunk_with_empty", Chunks):
+        yield
 
 
 def offload_notes(model: nn.Module, cuda: bool) -> tuple[str, ...]:

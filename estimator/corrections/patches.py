@@ -31,6 +31,10 @@ generating (its instance)                              shortened run of ``captur
 kernel compilers                                       wrapper loads, its kernels never compile
 ``torch.hub.download_url_to_file``                     ``integrations._common``: building a model
                                                        never downloads
+``_chunk_with_empty`` in the globals of FSDP2's        ``capture.world``: the chunks a rank reads
+``_fsdp_param``                                        made when read, not ``world_size`` views
+bitsandbytes' ``MatMul8bitFp``                         ``corrections.libraries.bitsandbytes``: the
+                                                       CUDA target trains with ``MatMul8bitLt``
 =====================================================  ===========================================
 """
 
