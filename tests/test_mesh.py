@@ -82,6 +82,30 @@ def test_ranks_are_grouped_by_their_shards_at_1024_ranks():
     assert rep.ranks[0].report.breakdown[estimator.Category.COMMUNICATION] >= 1024 * 4
 
 
+def test_other_roles_are_captured_in_workers(captures):
+    """A report with a mesh captures its first rank here and the other roles in worker processes
+    (their formulas come back pickled, the collectives' process groups by name): the same ranks'
+    figures as every role captured here (one worker).  5 rows over 4 ranks: chunks of 2, 2, 1 and
+    none, three roles."""
+    from estimator.orchestrate import workers
+
+    model, sample_fn, loss_fn = _mlp(width=5)
+    kwargs = dict(batch=4, loss_fn=loss_fn, device="cpu", strategy=Strategy(mesh={"dp_shard": 4},
+                                                                            parallelize=par.fsdp))
+    forked = estimator.report(model, sample_fn(4), **kwargs)
+    if workers.workers_for(None, 2) < 2:
+        pytest.skip("one usable core: the roles are captured here")
+    # the other two roles were captured in workers (a formula that did not pickle is captured here again)
+    assert len(captures) == 1 and len(forked.ranks) == 3
+    estimator.forget_captures()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(workers, "workers_for", lambda workers, captures: 1)
+        here = estimator.report(model, sample_fn(4), **kwargs)
+    assert len(captures) == 1 + 3  # every role here
+    assert [(r.role, r.report.peak_bytes, r.report.breakdown) for r in forked.ranks] == \
+        [(r.role, r.report.peak_bytes, r.report.breakdown) for r in here.ranks]
+
+
 @pytest.mark.parametrize("shape, chunks, dim", [((10, 3), 4, 0), ((8, 3), 4, 0), ((3, 5), 8, 0), ((0, 4), 3, 0),
                                                 ((250, 2), 1024, 0), ((6, 8), 4, 1), ((5,), 1, 0)])
 def test_chunks_made_when_read_are_fsdp2s_chunks(shape, chunks, dim):

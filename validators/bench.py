@@ -573,13 +573,13 @@ def ranks_markdown(found: dict) -> str:
         "torchtitan's Llama 3.1 8B job (`validators/torchtitan.py`: its parallelize function with op-level SAC and "
         "FSDP2, its step, 2 x 8,192 tokens per rank, the CUDA target; `python -m validators.bench --ranks`), one "
         "report at each world size, no processes (a fake process group): "
-        + ", ".join(f"{n:,} ranks {r['report_s']:.1f} s ({len(r['roles'])} role{'s' if len(r['roles']) > 1 else ''}, "
-                    f"{r['report_s'] / len(r['roles']) / one['report_s']:.2f}x the time of one rank per role)"
-                    for n, r in found.items())
+        + ", ".join(f"{n:,} ranks {r['report_s']:.1f} s ({len(r['roles'])} role{'s' if len(r['roles']) > 1 else ''}: "
+                    f"{r['report_s'] / one['report_s']:.2f}x the time of one rank)" for n, r in found.items())
         + ". A role is a group of ranks with the same local shapes (uneven shards of the 128,256-row vocabulary "
-          "over 1,024 ranks: 1,017 ranks of 126 rows, one of 114, six of none), captured once each. FSDP2 chunks "
-          "each parameter into `world_size` views to keep its rank's; the capture makes only the chunks it reads "
-          "(`capture/world.py` `Chunks`): before, 1,024 ranks took 180 s here.",
+          "over 1,024 ranks: 1,017 ranks of 126 rows, one of 114, six of none), captured once each: the first "
+          "here, the others in worker processes (one per usable core, `estimator/orchestrate/workers.py`). FSDP2 "
+          "chunks each parameter into `world_size` views to keep its rank's; the capture makes only the chunks it "
+          "reads (`capture/world.py` `Chunks`): before both, 1,024 ranks took 180 s here.",
         RANKS_MARKS[1],
     ]) + "\n"
 

@@ -70,8 +70,9 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
 def _report(checked: Checked, formula: Formula | None = None) -> Report:
     """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
     captured = capture_step(checked, formula)
-    return result(checked, captured, {ranks: capture_step(checked.at_rank(ranks[0]))
-                                      for ranks in captured.roles if checked.spec.rank not in ranks})
+    others = {ranks: checked.at_rank(ranks[0]) for ranks in captured.roles if checked.spec.rank not in ranks}
+    capture_each(list(others.values()))  # the other roles, in worker processes where there are several
+    return result(checked, captured, {ranks: capture_step(other) for ranks, other in others.items()})
 
 
 @collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it

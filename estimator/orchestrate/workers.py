@@ -1,11 +1,14 @@
-"""The distinct captures of a ``compare`` / ``plan``, in worker processes forked from this one.
+"""The distinct captures of a ``compare`` / ``plan`` (or of a mesh's roles), in worker processes
+forked from this one.
 
 A capture is Python running the model op by op: one core.  ``capture_each`` hands the steps no
 kept formula covers (``orchestrate.reuse``: one per key and hint) to worker processes forked
 after every import, one per usable core at most, the longest (compiled) first: the model, the
 sample and the user's functions are in each child as they are here (nothing of them is pickled),
 and each child sends its ``Formula`` back pickled (``_dumps``: aten overloads by name, fx graphs
-as their node lists).  The formulas are kept here, so the reports that follow find them.
+as their node lists, script objects such as a collective's process group by their class name).
+The formulas are kept here, so the reports that follow find them.  A report with a mesh hands its
+other roles' ranks to the workers the same way, once its first rank's capture has found them.
 
 A child is the capture this process would run: the same torch settings and thread count (the
 CPU target's corrections and host-kernel measurements follow this process's threads; the
@@ -59,6 +62,11 @@ def workers_for(workers: int | None, captures: int) -> int:
     return max(1, min(usable_cores() if workers is None else workers, captures))
 
 
+# aten overloads, and those of ops taking script objects (``c10d::_allgather_base_``'s ProcessGroup):
+# pickle's dispatch table goes by the exact type
+_OVERLOADS = (torch._ops.OpOverload, torch._ops.TorchBindOpOverload)
+
+
 def _reduce_op(op: torch._ops.OpOverload):
     return _op, (op._schema.name, op._overloadname)
 
@@ -96,11 +104,24 @@ def _graph(nodes: list) -> fx.Graph:
     return graph
 
 
+@dataclasses.dataclass(frozen=True)
+class ScriptObjectRecord:
+    """A script object (a collective's ``ProcessGroup`` or ``ReduceOp``) in a graph sent from a
+    child: its class by name.  The graph is a record of what ran; nothing runs it again."""
+
+    type_name: str
+
+
+def _reduce_script(obj):
+    return ScriptObjectRecord, (obj._type().qualified_name(),)
+
+
 def _dumps(value) -> bytes:
     """``value`` pickled, aten overloads (an fx graph's targets) by their names, fx graphs flat."""
     out = io.BytesIO()
     pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = {**copyreg.dispatch_table, torch._ops.OpOverload: _reduce_op, fx.Graph: _reduce_graph}
+    pickler.dispatch_table = {**copyreg.dispatch_table, fx.Graph: _reduce_graph, torch.ScriptObject: _reduce_script,
+                              **{kind: _reduce_op for kind in _OVERLOADS}}
     pickler.dump(value)
     return out.getvalue()
 
