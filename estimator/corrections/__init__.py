@@ -51,7 +51,8 @@ from estimator.corrections.registry import (
 )
 
 __all__ = [
-    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "capture_contexts", "correction", "fake_kernel", "fake_kernel_for",
-    "has_substitutes", "host_state", "in_managed_memory", "lookup", "managed_state", "model_rule", "on_host",
-    "optimizer_rule", "registered", "substitute", "substitutes", "substitution", "while_capturing",
+    "NO_FIX", "Fix", "apply_model_rules", "apply_optimizer_rules", "bind", "capture_contexts", "correction",
+    "fake_kernel", "fake_kernel_for", "has_substitutes", "host_state", "in_managed_memory", "lookup", "managed_state",
+    "model_rule", "on_host", "optimizer_rule", "registered", "substitute", "substitutes", "substitution",
+    "while_capturing",
 ]

@@ -117,7 +117,8 @@ def _reduce_script(obj):
 
 
 def _dumps(value) -> bytes:
-    """``value`` pickled, aten overloads (an fx graph's targets) by their names, fx graphs flat."""
+    """``value`` pickled, aten overloads (an fx graph's targets) by their names, fx graphs flat,
+    script objects as records."""
     out = io.BytesIO()
     pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = {**copyreg.dispatch_table, fx.Graph: _reduce_graph, torch.ScriptObject: _reduce_script,

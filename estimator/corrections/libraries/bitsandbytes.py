@@ -19,7 +19,7 @@ On the CUDA target a paged optimizer's large state buffers live in CUDA managed 
 (``Linear8bitLt``, ``BitsAndBytesConfig(load_in_8bit=True)``): a CUDA run multiplies with
 ``MatMul8bitLt`` in training too, where the CPU takes ``MatMul8bitFp`` (``cuda_int8_matmul``), and
 its LLM.int8() ops (activations quantized per row, the outlier columns past the threshold kept in
-16 bits, an int8 matmul dequantized) allocate as the CUDA backend's kernels do (``cuda_int8_*``);
+16 bits, an int8 matmul dequantized) allocate as each target's kernels do (``_INT8``, below);
 how many columns hold outliers depends on the values: the capture's ``data_dependent`` policy
 decides (the bound: every column), the probe reads it from a real call.  4-bit weights
 (``Linear4bit``, what ``BitsAndBytesConfig(load_in_4bit=True)`` builds): the CPU repacks them
