@@ -71,7 +71,7 @@ def test_cuda_training_takes_the_cuda_branch():
     linear, with the outlier columns kept for backward."""
     peft = pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    model, sample, loss = _meta_llama(8)
+    model, sample, loss = _meta_llama()
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).train()
     cpu = estimator.report(model, sample, loss_fn=loss, device="cpu")
     cuda = estimator.report(model, sample, loss_fn=loss, device="cuda")
@@ -81,7 +81,8 @@ def test_cuda_training_takes_the_cuda_branch():
     assert all(s.used == s.upper for s in sites)
 
 
-def _meta_llama(bits: int):
+def _meta_llama():
+    """A tiny Llama built on the meta device with 8-bit weights (``load_in_8bit``)."""
     import transformers
 
     overrides = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -96,7 +97,7 @@ def test_meta_model_infers_and_generates(device):
     inference and generate(); a fraction of the bound gives less, and the notes name the sites one
     line per op."""
     pytest.importorskip("transformers")
-    model, sample, _ = _meta_llama(8)
+    model, sample, _ = _meta_llama()
     model.eval()
     # 12 new tokens: the decode steps' extension on CUDA (the CPU measures attention per step: 4)
     for mode, extra in (("inference", {}), ("generate", {"new_tokens": 12 if device == "cuda" else 4})):

@@ -16,7 +16,7 @@ from typing import Any
 
 ACTIVE: list[Any] = []  # the capture's DataDependent modes, innermost last
 OBSERVERS: dict[Any, Callable] = {}  # op -> fn(args, kwargs, out) -> (n, upper), read by the probe
-_KERNELS: list[str] = []  # the corrections' kernels running now (``in_kernel``), innermost last
+_IN_KERNEL: list[str] = []  # the corrections' kernels running now (``in_kernel``), innermost last
 
 
 def active() -> Any | None:
@@ -38,15 +38,15 @@ def in_kernel(name: str):
     masks of the torch ops it runs) size that kernel's own buffers, and no code of the model branches
     on them, so their bound holds whatever real run gave the capture its values (a narrow stand-in's,
     for ``generate()`` of a model on the meta device: ``capture.trace._stood_in``)."""
-    _KERNELS.append(name)
+    _IN_KERNEL.append(name)
     try:
         yield
     finally:
-        _KERNELS.pop()
+        _IN_KERNEL.pop()
 
 
 def inside_kernel() -> bool:
-    return bool(_KERNELS)
+    return bool(_IN_KERNEL)
 
 
 def observes(*ops):
