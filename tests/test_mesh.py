@@ -445,9 +445,14 @@ def test_gradients_a_step_starts_with_are_their_local_shards():
     step "keeps", which made the CUDA target's first step 42 GiB higher on Llama 3.1 8B.)"""
     from validators import torchtitan
 
+    works = torch._C._distributed_c10d._get_work_registry_size
+    registered = works()
     rep = estimator.report(torchtitan.build(torchtitan.TINY), torchtitan.sample(2, 32, 256), batch=2, device="cpu",
                            strategy=Strategy(mesh={"dp_shard": 2}, parallelize=torchtitan.parallelize),
                            step=torchtitan.train_step, optimizer=torchtitan.optimizer)
+    # the gradient norm's all-reduces (DTensor's Partial sums) are waited for: none is left in c10d's
+    # registry (torch warns of "unwaited collective calls" at exit otherwise)
+    assert works() == registered
     timeline = rep.ranks[0].report.timeline
     grads = [nbytes(2) for nbytes, category, op, _ in timeline.storages if category is Category.GRADIENT and op < 0]
     # the root's group (embedding, output, norm: 32,832 parameters), then 3 blocks of 55,424, halved, fp32

@@ -21,5 +21,8 @@ _WAIT = getattr(getattr(_FUNCTIONAL, "wait_tensor", None), "default", None)
 if _WAIT is not None:  # a torch built without torch.distributed has no functional collectives
     @fake_kernel(_WAIT, targets=(Target.CPU, Target.CUDA))
     def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor waited for, itself."""
+        """The tensor waited for, itself; the real kernel runs too, for its side effect: it takes the
+        collective's work out of c10d's registry (fake process groups register theirs as real ones
+        do), which otherwise warns of "unwaited collective calls" when the process ends."""
+        _WAIT(tensor)
         return tensor
