@@ -287,12 +287,12 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     fmodel = fake_model(model, mode, memo)
     repeated_blocks.map_originals(model, memo)  # a shallow copy's: the user's modules it stands for
     corrections.apply_model_rules(spec.target, fmodel)
-    roles, offloaded = (), ()
+    roles, offload = (), None
     if device_mesh is not None:  # outside the fake mode: ops on the fake model are fake, the mesh's own stay real
         world.parallelize(spec.strategy.parallelize, fmodel, device_mesh)
         libraries.load_imported()  # FSDP2's ops, where the function imported it
         roles = world.roles(fmodel, spec.strategy.mesh)
-        offloaded = world.offload_notes(fmodel, spec.target.is_cuda)
+        offload = world.offload(fmodel, spec.target.is_cuda)
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)
@@ -320,13 +320,16 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     dd.shadow_sample(fsample, sample, dims)
     user = spec.step is not None
     module_hooks = phases.module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
-    with _step_modes(spec, symbolic, mode, dd) as regions:
+    with _step_modes(spec, symbolic, mode, dd) as regions, \
+            offload.transfers(tracker) if offload else contextlib.nullcontext():
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
         else:
             warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
         run_step, optimizers = warm.run_step, warm.optimizers
+        if offload:
+            tracker.keep_on_host(offload.host_tensors(optimizers))
         managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
         if device_mesh is not None and not spec.target.is_cuda:  # a job's state too, in host memory
             tracker.register(world.rank_maps(fmodel), Category.COMMUNICATION)
@@ -368,7 +371,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
-    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed) + offloaded
+    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed) + (offload.notes() if offload else ())
     notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "

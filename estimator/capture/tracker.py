@@ -165,6 +165,9 @@ class Tracker(TorchDispatchMode):
         self._paused = 0  # > 0 while DTensor computes output metadata (``_hooks``): nothing is recorded
         self._default_stream = torch.cpu.current_stream()
         self._streams: dict[object, int] = {}  # side streams met (``_stream``) -> their numbers
+        # Storage address -> weak reference: storages in host memory on a device target (``keep_on_host``)
+        self._host: dict[int, weakref.ref] = {}
+        self._copying_to_host: bool | None = None  # while ``copy`` runs: where its output lives
 
     def __enter__(self):
         self._engine = self.sums.engine()
@@ -234,6 +237,44 @@ class Tracker(TorchDispatchMode):
         for storage in storages:
             self._track(storage, category, -1)
 
+    # -- host memory on a device target -----------------------------------------------
+    def keep_on_host(self, tensors) -> None:
+        """The storages of ``tensors`` are in host memory, not the target's (FSDP2's
+        ``CPUOffloadPolicy``: ``capture/world.py`` ``Offload``): never tracked.  In the optimizer
+        phase, an op whose tensors are on the host makes its outputs there (the optimizer steps on
+        the CPU); elsewhere outputs are the target's but for ``copy``'s (the safe side: a host
+        tensor used on the device without a copy fxmem saw is counted there)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            address = _storage_id(storage)
+            if address not in self._host:
+                self._host[address] = weakref.ref(storage, lambda _, a=address: self._host.pop(a, None))
+
+    def copy(self, t: torch.Tensor, to_host: bool) -> torch.Tensor:
+        """A copy of ``t`` between the host and the target device (``tensor.to(device)``, which
+        the capture's CPU tensors cannot make: the same device is no copy)."""
+        self._copying_to_host = to_host
+        try:
+            out = t.clone()
+        finally:
+            self._copying_to_host = None
+        if to_host:
+            self.keep_on_host([out])
+        return out
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        return _storage_id(t.untyped_storage()) in self._host
+
+    def _made_on_host(self, args, kwargs) -> bool:
+        """Whether an op's outputs are in host memory (see ``keep_on_host``)."""
+        if self._copying_to_host is not None:
+            return self._copying_to_host
+        if self.phase is not Phase.OPTIMIZER:
+            return False
+        tensors = [t for t in _leaves((*args, *kwargs.values())) if isinstance(t, torch.Tensor)]
+        host = [self.on_host(t) for t in tensors]
+        return any(host) and all(h or t.dim() == 0 for h, t in zip(host, tensors))
+
     def alive_storages(self) -> list[torch.UntypedStorage]:
         """The storages this tracker saw allocated that are still alive."""
         return [s for s in (ref() for _, ref in self._alive.values()) if s is not None]
@@ -241,7 +282,7 @@ class Tracker(TorchDispatchMode):
     def _track(self, storage: torch.UntypedStorage, category: Category, op: int, extra: Any = 0) -> int | None:
         """Start tracking ``storage``; its key, or None if it is tracked already."""
         address = _storage_id(storage)
-        if address in self._alive:
+        if address in self._alive or address in self._host:
             return None
         key = next(self._keys)
         self.storages[key] = Storage(as_expr(storage.nbytes()), category, op, as_expr(extra))
@@ -413,6 +454,8 @@ class Tracker(TorchDispatchMode):
         if subclass is not None:  # a subclass's outputs hold the inner tensors its ops made, not storage of their own
             outputs = [x for t in outputs for x in _inner(t)]
         new = {}  # id of an output tensor whose storage this op allocated -> its key
+        if (self._host or self._copying_to_host) and self._made_on_host(args, kwargs):
+            self.keep_on_host(outputs)
         for i, t in enumerate(outputs):
             key = self._track(t.untyped_storage(), Category.TEMPORARY, index, fix.output_bytes.get(i, 0))
             if key is not None:

@@ -18,6 +18,7 @@ parallelism's): ``roles`` groups them, and one rank of each group is captured.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import operator
@@ -171,40 +172,107 @@ def _chunks_when_read() -> Iterator[None]:
         yield
 
 
-def offload_notes(model: nn.Module, cuda: bool) -> tuple[str, ...]:
-    """What ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` leaves out, for the report's
-    notes; an :class:`InputError` where the job itself cannot run.  FSDP2 keeps an offloaded
-    parameter's shard in host memory (``_fsdp_param.py``: ``padded_sharded_param.cpu()``, pinned
-    with ``pin_memory=True``), copies it to the device before each all-gather (``all_gather_inputs``:
-    ``.to(self.device, non_blocking=True)``), moves each reduced gradient back to the host
-    (``_fsdp_collectives.py``, ``foreach_reduce``) and the optimizer steps on the CPU.  On the
-    capture's CPU mesh those copies are no-ops, so the CUDA target counts the shards, their
-    gradients and their optimizer state as device memory: an over-estimate, said with its size."""
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """FSDP2's ``CPUOffloadPolicy`` in a job (``fully_shard(..., offload_policy=)``).
+
+    FSDP2 keeps an offloaded parameter's shard in host memory (``_fsdp_param.py``
+    ``_init_sharded_param``: ``padded_sharded_param.cpu()``, pinned with ``pin_memory=True``),
+    copies it to the device before each all-gather (``all_gather_inputs``:
+    ``.to(self.device, non_blocking=True)``, on the all-gather copy-in stream, then the cast to
+    ``param_dtype``), copies each reduced gradient to the host (``_fsdp_collectives.py``
+    ``foreach_reduce``: ``new_sharded_grad.to(torch.device("cpu"))``; the device's reduce-scatter
+    output is freed once the group's copies are made), and the optimizer steps on the CPU, its
+    state in host memory.  On the capture's CPU mesh those copies are no copies: on the CUDA
+    target ``transfers`` makes them (``Tracker.copy``) and ``host_tensors`` names the state that
+    lives on the host, which the device's figures leave out.  The CPU target needs neither: its
+    device is the host."""
+
+    params: tuple  # the offloaded FSDPParams
+    modelled: bool  # False: counted on the device, said so (an FSDP2 extension's all-gather inputs)
+
+    def host_tensors(self, optimizers: list) -> list[torch.Tensor]:
+        """The shards, their gradients and the optimizer state of their parameters."""
+        found = []
+        for fsdp_param in self.params if self.modelled else ():
+            param = fsdp_param.sharded_param
+            found.append(fsdp_param._sharded_param_data)
+            found.extend(local(t) for t in (param.grad, *(v for optimizer in optimizers
+                                                          for v in optimizer.state.get(param, {}).values()))
+                         if isinstance(t, torch.Tensor))
+        return found
+
+    @contextlib.contextmanager
+    def transfers(self, tracker) -> Iterator[None]:
+        """FSDP2's host-device copies of offloaded shards and gradients, as ``tracker`` copies."""
+        if not self.modelled:
+            yield
+            return
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+        gather_inputs = _fsdp_param.FSDPParam.all_gather_inputs.fget
+        reduce = _fsdp_param_group.foreach_reduce
+        to = torch.Tensor.to
+
+        def all_gather_inputs(fsdp_param):
+            if not fsdp_param.offload_to_cpu or fsdp_param.sharded_state != _fsdp_param.ShardedState.SHARDED:
+                return gather_inputs(fsdp_param)
+            shard = fsdp_param._sharded_param_data  # its own code, on the device copy its .to(device) makes
+            fsdp_param._sharded_param_data, fsdp_param.offload_to_cpu = tracker.copy(shard, to_host=False), False
+            try:
+                return gather_inputs(fsdp_param)
+            finally:
+                fsdp_param._sharded_param_data, fsdp_param.offload_to_cpu = shard, True
+
+        def to_host(t, *args, **kwargs):  # foreach_reduce's only move to the CPU: an offloaded gradient's
+            device = kwargs.get("device", args[0] if args else None)
+            if isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu" \
+                    and not tracker.on_host(t):
+                return tracker.copy(t, to_host=True)
+            return to(t, *args, **kwargs)
+
+        def foreach_reduce(*args, **kwargs):
+            with patched(torch.Tensor, "to", to_host):
+                return reduce(*args, **kwargs)
+
+        with patched(_fsdp_param.FSDPParam, "all_gather_inputs", property(all_gather_inputs)), \
+                patched(vars(_fsdp_param_group), "foreach_reduce", foreach_reduce):
+            yield
+
+    def notes(self) -> tuple[str, ...]:
+        shards = [fsdp_param._sharded_param_data.untyped_storage().nbytes() for fsdp_param in self.params]
+        pinned = "pinned" if any(fsdp_param.pin_memory for fsdp_param in self.params) else "pageable"
+        if self.modelled:
+            return (f"CPUOffloadPolicy, modelled from FSDP2's source (_fsdp_param.py, _fsdp_collectives.py): the "
+                    f"offloaded parameter shards ({sum(shards):,} B on this rank), their gradients and their optimizer "
+                    f"state are in host memory ({pinned}; not in the device figures), and the optimizer steps on the "
+                    "CPU; counted on the device: each group's shards copied there before its all-gather (freed after "
+                    "the copy-in) and each reduce-scatter output until its gradients are copied to the host; not "
+                    "validated on a GPU",)
+        return ("CPUOffloadPolicy is NOT modelled for parameters of an FSDP2 extension (fsdp_pre_all_gather: "
+                f"their all-gather inputs are the extension's): the offloaded shards ({sum(shards):,} B on this rank), "
+                "their gradients and their optimizer state are counted on the device, where your job keeps them in "
+                "host memory: the device figure is an over-estimate",)
+
+
+def offload(model: nn.Module, cuda: bool) -> Offload | None:
+    """The job's ``CPUOffloadPolicy`` on the CUDA target (None: none, or the CPU target, where
+    offloading moves nothing); an :class:`InputError` where the job itself cannot run."""
     from torch.distributed.fsdp import FSDPModule
 
-    groups = []  # per FSDP parameter group: the offloaded shards (bytes) and whether they are pinned
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        params = [p for p in (group.fsdp_params if group is not None else ()) if p.offload_to_cpu]
-        if params:
-            groups.append((sum(p._sharded_param_data.untyped_storage().nbytes() for p in params),
-                           any(p.pin_memory for p in params)))
-    if not groups:
-        return ()
-    if not cuda and any(pinned for _, pinned in groups):
+    params = tuple(p for module in model.modules() if isinstance(module, FSDPModule)
+                   for group in [module._get_fsdp_state()._fsdp_param_group] if group is not None
+                   for p in group.fsdp_params if p.offload_to_cpu)
+    if not params:
+        return None
+    if not cuda and any(p.pin_memory for p in params):
         raise InputError("CPUOffloadPolicy(pin_memory=True) pins host memory for a CUDA device: with "
                          "device='cpu' the job itself fails (FSDP2's pin_memory(): 'Cannot access accelerator device "
                          "when none is available'); estimate it with device='cuda', or use "
                          "CPUOffloadPolicy(pin_memory=False) on the CPU")
-    if not cuda:  # the CPU is the device: offloading moves nothing
-        return ()
-    shards = sum(nbytes for nbytes, _ in groups)
-    return (f"CPUOffloadPolicy is NOT modelled on the CUDA target: in your job the offloaded parameter shards "
-            f"({shards:,} B on this rank), their gradients and their optimizer state live in host memory and the "
-            "optimizer steps on the CPU; fxmem's capture (on a CPU mesh, where FSDP2's host-device copies do "
-            "nothing) counts all of it on the device, and leaves out the device copy FSDP2 makes of one group's "
-            f"shards before its all-gather (at most {max(nbytes for nbytes, _ in groups):,} B at a time, less than "
-            "the shards counted): the device figure is an over-estimate",)
+    if not cuda:
+        return None
+    return Offload(params, not any(hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather") for p in params))
 
 
 def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:

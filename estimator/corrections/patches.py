@@ -35,6 +35,10 @@ kernel compilers                                       wrapper loads, its kernel
 ``_fsdp_param``                                        made when read, not ``world_size`` views
 bitsandbytes' ``MatMul8bitFp``                         ``corrections.libraries.bitsandbytes``: the
                                                        CUDA target trains with ``MatMul8bitLt``
+FSDP2's ``FSDPParam.all_gather_inputs``,               ``capture.world.Offload``: the host-device
+``foreach_reduce`` in the globals of                   copies of ``CPUOffloadPolicy`` on the CUDA
+``_fsdp_param_group``, and ``torch.Tensor.to``         target, which a CPU mesh does not make
+while it runs
 =====================================================  ===========================================
 """
 

@@ -16,8 +16,10 @@ has its own kernel (``_chunk_cat_cuda``: no copies).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from torch._subclasses import fake_impls
+from torch._subclasses import fake_tensor
 
 from estimator.corrections.registry import Fix, bind, correction, nbytes
 from estimator.vocab.categories import Target
@@ -26,13 +28,25 @@ from estimator.vocab.categories import Target
 # (``_fsdp_param.py``: ``padded_sharded_param.pin_memory()``), and fake tensors refuse ``_pin_memory``
 # (``torch/_subclasses/fake_impls.py`` lists it among its "NYI" ops).  Pinning copies the tensor into a
 # new page-locked host buffer of its size (``aten/src/ATen/native/Memory.cpp``, ``_pin_memory``:
-# ``empty`` with the pinned allocator, then ``copy_``): the fake kernel makes that buffer, in the
-# table fake tensors look their kernels up in (a replacement of its NYI entry).
-def _pin_memory_fake(fake_mode, func, self: torch.Tensor, device=None) -> torch.Tensor:
-    return torch.empty_like(self, memory_format=torch.contiguous_format)
+# ``empty`` with the pinned allocator, then ``copy_``), and that buffer answers ``is_pinned()``
+# true: FSDP2 pins only what is not pinned (``reset_sharded_param``, at the root's lazy init:
+# ``if self.pin_memory and not local_tensor.is_pinned()``).  A fake tensor's ``is_pinned`` asks its
+# meta storage (false), and fake tensors cache ops' answers by the arguments' shapes (a second
+# ``_pin_memory`` of the same shape would make its buffer without this kernel): both are answered
+# by fake tensors first, before their cache (``fake_tensor._DISPATCH_META_HANDLERS``).
+_PINNED: dict[int, weakref.ref] = {}  # storage address -> weak reference, of the fake pinned buffers
 
 
-fake_impls.op_implementations_dict[torch.ops.aten._pin_memory.default] = _pin_memory_fake
+def _pin_memory(args) -> torch.Tensor:
+    out = torch.empty_like(args[0], memory_format=torch.contiguous_format)
+    storage = out.untyped_storage()
+    _PINNED[storage._cdata] = weakref.ref(storage, lambda _, a=storage._cdata: _PINNED.pop(a, None))
+    return out
+
+
+fake_tensor._DISPATCH_META_HANDLERS[torch.ops.aten._pin_memory.default] = _pin_memory
+fake_tensor._DISPATCH_META_HANDLERS[torch.ops.aten.is_pinned.default] = \
+    lambda args: args[0].untyped_storage()._cdata in _PINNED
 
 
 @correction(torch.ops.fsdp.chunk_cat.default, targets=Target.CPU)
