@@ -175,6 +175,39 @@ def test_paged_state_outside_the_allocator_on_cuda():
     assert "CUDA managed memory" in str(paged8)
 
 
+def test_torchao_cpu_offload_optimizer_on_the_cuda_target():
+    """torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py) keeps a pinned host copy and
+    host gradient of each parameter of 4,096 elements or more, steps it with fused AdamW on the CPU
+    and copies it back in place; smaller ones stay with a device AdamW.  Here the 256 x 256 weight
+    (65,536 elements) is offloaded; the two biases and the 10 x 256 weight (2,826 elements) are
+    not.  Its constructor asserts a CUDA device: the CPU target says so."""
+    pytest.importorskip("torchao")
+    from torch import nn
+    from torchao.optim import CPUOffloadOptimizer
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(4, 256)
+
+    def report(**options):
+        return estimator.report(model, x, device="cuda",
+                                optimizer=lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, **options))
+
+    params, small = (65_536 + 2_826) * 4, 2_826 * 4
+    kept, dropped, plain = report(), report(offload_gradients=True), estimator.report(model, x, device="cuda")
+    assert plain.breakdown[Category.OPTIMIZER_STATE] == 2 * params  # foreach AdamW: its step counts on the host
+    for rep in kept, dropped:
+        assert rep.breakdown[Category.PARAMETER] == params
+        # the small parameters' two states and fused AdamW's step counts, on the device
+        assert rep.breakdown[Category.OPTIMIZER_STATE] == 2 * small + 3 * 4
+        # on the host: the big weight's copy, its gradient and its two states
+        assert any(n.startswith(f"the optimizer keeps {4 * 65_536 * 4:,} B in host memory") for n in rep.notes)
+    # gradients stay on the device until zero_grad, or leave it once copied (offload_gradients=True)
+    assert kept.breakdown[Category.GRADIENT] == params and dropped.breakdown[Category.GRADIENT] == small
+    assert kept.peak_bytes < plain.peak_bytes
+    with pytest.raises(InputError, match="CPU Offload currently only supports CUDA"):
+        estimator.report(model, x, device="cpu", optimizer=lambda ps: CPUOffloadOptimizer(ps))
+
+
 def test_bitsandbytes_4bit_on_the_cuda_target():
     """On the CUDA target a 4-bit model is not repacked for the CPU (its quantized storage stays as
     loaded: the weights' 4-bit codes, int8 absmax and their fp32 second-level scales and codes), and

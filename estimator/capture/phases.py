@@ -247,9 +247,22 @@ def phases(tracker: Tracker, model: nn.Module):
             handle.remove()
 
 
-def host_state(spec: StepSpec, optimizers: list) -> set[int]:
-    """ids of the optimizer state tensors the target keeps in host memory (not counted)."""
-    return {id(value) for value in _state_where(spec, optimizers, corrections.on_host)}
+def host_state(spec: StepSpec, optimizers: list) -> list[torch.Tensor]:
+    """The optimizers' tensors the target keeps in host memory (``corrections.on_host``; never
+    counted on the device, ``Tracker.keep_on_host``): state, and the parameters an optimizer steps
+    with their gradients where a rule says so of the keys ``"param"`` and ``"grad"`` (host copies
+    of the model's parameters: torchao's ``CPUOffloadOptimizer``)."""
+    return _state_where(spec, optimizers, corrections.on_host, with_params=True)
+
+
+def host_note(host: list[torch.Tensor]) -> tuple[str, ...]:
+    """What ``host_state`` keeps off the device, beyond step counts."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in host if t.dim()}
+    if not storages:
+        return ()
+    return (f"the optimizer keeps {sum(storages.values()):,} B in host memory (the parameters it steps there, their "
+            "gradients and its state: torchao's CPUOffloadOptimizer), not in the device figures; its host-device "
+            "copies are in place, their streams' timing is not modelled",)
 
 
 def managed_state(spec: StepSpec, optimizers: list) -> dict[int, int]:
@@ -258,15 +271,15 @@ def managed_state(spec: StepSpec, optimizers: list) -> dict[int, int]:
     return {id(t): t.untyped_storage().nbytes() for t in _state_where(spec, optimizers, corrections.in_managed_memory)}
 
 
-def _state_where(spec: StepSpec, optimizers: list, rule) -> list[torch.Tensor]:
-    return [
-        value
-        for optimizer in optimizers
-        for group in optimizer.param_groups
-        for p in group["params"]
-        for key, value in optimizer.state.get(p, {}).items()
-        if isinstance(value, torch.Tensor) and rule(spec.target.device, optimizer, group, key, value)
-    ]
+def _state_where(spec: StepSpec, optimizers: list, rule, with_params: bool = False) -> list[torch.Tensor]:
+    found = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                items = [*(("param", p), ("grad", p.grad))[:2 * with_params], *optimizer.state.get(p, {}).items()]
+                found += [value for key, value in items
+                          if isinstance(value, torch.Tensor) and rule(spec.target.device, optimizer, group, key, value)]
+    return found
 
 
 def on_phase(tracker: Tracker, model: nn.Module):

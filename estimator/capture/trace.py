@@ -333,7 +333,8 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
         managed = phases.managed_state(spec, optimizers)  # CUDA managed memory: outside the allocator's timeline
         if device_mesh is not None and not spec.target.is_cuda:  # a job's state too, in host memory
             tracker.register(world.rank_maps(fmodel), Category.COMMUNICATION)
-        phases.register_state(tracker, warm.state, warm.kept, phases.host_state(spec, optimizers) | set(managed))
+        tracker.keep_on_host(phases.host_state(spec, optimizers))
+        phases.register_state(tracker, warm.state, warm.kept, set(managed))
         phases.mark_births(tracker, fmodel, warm.state, warm.lazy)
         state_names = {key: name for category, tensors in warm.state.items() if category is not Category.INPUT
                        for name, t in tensors.items() if (key := tracker.key_of(t)) is not None}
@@ -372,6 +373,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
     notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed) + (offload.notes() if offload else ())
+    notes += phases.host_note(phases.host_state(spec, optimizers))  # the state the step made included
     notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "

@@ -17,6 +17,7 @@ import sys
 LIBRARIES = {
     "bitsandbytes": "estimator.corrections.libraries.bitsandbytes",
     "torch.distributed.fsdp": "estimator.corrections.libraries.fsdp",
+    "torchao.optim.cpu_offload": "estimator.corrections.libraries.torchao",
 }
 
 
