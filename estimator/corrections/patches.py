@@ -39,6 +39,9 @@ FSDP2's ``FSDPParam.all_gather_inputs``,               ``capture.world.Offload``
 ``foreach_reduce`` in the globals of                   copies of ``CPUOffloadPolicy`` on the CUDA
 ``_fsdp_param_group``, and ``torch.Tensor.to``         target, which a CPU mesh does not make
 while it runs
+``get_available_devices`` and ``torch`` in the         ``corrections.libraries.torchao``: its
+globals of torchao's ``cpu_offload``,                  CUDA device on the CUDA target, with the
+``torch.Tensor.record_stream``                         CPU's streams
 =====================================================  ===========================================
 """
 
