@@ -169,11 +169,13 @@ def mesh_strategies(model: nn.Module, devices: int) -> dict[str, Strategy]:
 # Optimizer what-ifs of compare and plan: the low-bit version of the optimizer named, by label,
 # where its library is installed (estimator.capture.steps.LOW_BIT_OPTIMIZERS).  bitsandbytes' only:
 # torchao's compile their update per parameter shape, which would make every compare compile
-# (pass optimizers={"4-bit AdamW (torchao)": "adamw_torch_4bit"} for it).
+# (pass optimizers={"4-bit AdamW (torchao)": "adamw_torch_4bit"} for it).  On a GPU also AdamW
+# stepped on the CPU (torchao's CPUOffloadOptimizer: fused CPU AdamW, no compile).
 LOW_BIT_WHAT_IFS = {
     "adamw": {"8-bit AdamW (bitsandbytes)": "adamw8bit"},
     "adam": {"8-bit Adam (bitsandbytes)": "adam8bit"},
 }
+GPU_WHAT_IFS = {"adamw": {"AdamW offloaded to the CPU (torchao)": "cpu_offload_adamw"}}
 
 
 def _library(optimizer: Any) -> str | None:
@@ -184,15 +186,18 @@ def _library(optimizer: Any) -> str | None:
     return None if found is None else found[0].split(".")[0]
 
 
-def default_optimizers(optimizer: Any, mode: str = "train") -> tuple[dict[str, str], list[str]]:
-    """The low-bit what-ifs of ``optimizer`` (``LOW_BIT_WHAT_IFS``, by label) for a train step
-    with an optimizer given by name, and the ones left out (their library is not installed)."""
+def default_optimizers(optimizer: Any, mode: str = "train", device: str = "cpu") -> tuple[dict[str, str], list[str]]:
+    """The what-ifs of ``optimizer`` (``LOW_BIT_WHAT_IFS``, and ``GPU_WHAT_IFS`` on the CUDA
+    target; by label) for a train step with an optimizer given by name, and the ones left out
+    (their library is not installed)."""
     import importlib.util
 
     if not isinstance(optimizer, str) or not isinstance(mode, str) or mode.lower() != "train":
         return {}, []
     found, skipped = {}, []
-    for label, name in LOW_BIT_WHAT_IFS.get(optimizer.lower(), {}).items():
+    what_ifs = {**LOW_BIT_WHAT_IFS.get(optimizer.lower(), {}),
+                **(GPU_WHAT_IFS.get(optimizer.lower(), {}) if device_name(device) == "cuda" else {})}
+    for label, name in what_ifs.items():
         library = _library(name)
         if importlib.util.find_spec(library) is None:
             skipped.append(f"{label}: {library} is not installed (pip install {library})")
@@ -290,7 +295,7 @@ def compare(
     limit = None if budget is None else parse_bytes(budget)
     skipped: list[str] = []
     if optimizers is None:
-        optimizers, left_out = default_optimizers(optimizer, mode) if strategies is None else ({}, [])
+        optimizers, left_out = default_optimizers(optimizer, mode, device) if strategies is None else ({}, [])
         skipped += left_out
     elif not isinstance(optimizers, Mapping):
         raise InputError(f"optimizers must be a dict {{label: optimizer}}, got {type(optimizers).__name__}")
@@ -376,7 +381,8 @@ def plan(
                          "(device='cuda', the default) it defaults to the GPU's memory")
     if strategies is None:
         options.setdefault("optimizers", default_optimizers(options.get("optimizer", "adamw"),
-                                                            options.get("mode", "train"))[0])
+                                                            options.get("mode", "train"),
+                                                            options.get("device", "cuda"))[0])
         options.setdefault("weights", default_weights(model, options.get("mode", "train"))[0])
         named, _ = default_strategies(model, batch or sample_batch(sample, options.get("batch_dims")), devices)
         found = blocks(model)
@@ -449,6 +455,9 @@ def _transformed(label: str, what_if, model: nn.Module) -> nn.Module:
 def optimizer_cost(optimizer: Any) -> str:
     """What an optimizer what-if costs besides memory, in words."""
     library = _library(optimizer)
+    if library is not None and "offload" in optimizer.lower():
+        return (f"steps on the CPU, the state in host memory; gradients to the host and parameters back every "
+                f"step ({library})")
     if library is not None:
         return f"quantizes the optimizer state at every step (block-wise, {library})"
     return f"optimizer {_optimizer_label(optimizer)}"

@@ -110,6 +110,12 @@ def test_compare_offers_low_bit_optimizers(monkeypatch):
 
     real = importlib.util.find_spec
     assert list(planning.default_optimizers("adamw")[0]) == ["8-bit AdamW (bitsandbytes)"]
+    if real("torchao") is not None:  # on a GPU, AdamW stepped on the CPU too (its constructor asserts a GPU)
+        assert planning.default_optimizers("adamw", device="cuda")[0] == {
+            "8-bit AdamW (bitsandbytes)": "adamw8bit", "AdamW offloaded to the CPU (torchao)": "cpu_offload_adamw"}
+        result = estimator.compare(model, x, 8, [Strategy()], optimizers={"offload": "cpu_offload_adamw"})
+        assert result["offload"].peak_bytes == estimator.report(model, x, optimizer="cpu_offload_adamw").peak_bytes
+        assert result["offload"].cost.startswith("steps on the CPU")
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     found, skipped = planning.default_optimizers("adamw")

@@ -97,6 +97,9 @@ LOW_BIT_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "adamwtorch4bit": ("torchao.optim", "AdamW4bit"),
     "aoadamw4bit": ("torchao.optim", "AdamW4bit"),
     "aoadamwfp8": ("torchao.optim", "AdamWFp8"),
+    # AdamW stepped on the CPU (its default: fused CPU AdamW), the parameters' copies in host memory;
+    # a GPU only (its constructor asserts one): the CUDA target
+    "cpuoffloadadamw": ("torchao.optim", "CPUOffloadOptimizer"),
 }
 
 
