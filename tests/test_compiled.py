@@ -155,3 +155,55 @@ def test_a_users_autocast_step_with_a_compiled_model_on_the_cuda_target():
                            device="cuda", gpu="A100 80GB")
     assert rep.peak_bytes > 0 and any("estimated as compiled" in n for n in rep.notes)
     assert any("autocast inside the compiled region follows the CPU's autocast op lists" in n for n in rep.notes)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = NormMLP(64, 256, 4, graph_break=True)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_submodule_torch_compile_wrapped_is_a_compiled_region():
+    """``model.inner = torch.compile(model.inner)``: the submodule runs compiled (a region of the
+    eager step: Dynamo's 2 graphs around its break), as measured on the real step, to the byte."""
+    def build():
+        model = _Outer()
+        model.inner = torch.compile(model.inner)
+        return model
+
+    sample = _features(64, 4, 32)
+    rep = estimator.report(build(), sample, loss_fn=_class_loss, device="cpu")
+    torch._dynamo.reset()
+    assert rep.peak_bytes == measure_cpu(build(), sample, loss_fn=_class_loss).peak_bytes  # tolerance: none (0 B)
+    assert any("passed to torch.compile" in n and "Dynamo compiled 2 graph(s)" in n for n in rep.notes)
+    assert not any("estimated as eager" in n for n in rep.notes)
+
+
+def test_blocks_compiled_by_a_parallelize_function():
+    """torchtitan's ``--training.compile``: each block ``torch.compile(block, fullgraph=True)`` in
+    the parallelize function, after op-level SAC, before FSDP2 wraps it (which changes its class):
+    each call is a compiled region, fxmem's module hooks kept out of Dynamo's trace (inside the
+    checkpoint's higher-order op they are side effects it refuses), Inductor's
+    ``run_and_save_rng_state`` passed through the capture's modes.  (Before: "torch.compile with
+    fullgraph=True found no compiled frames".)"""
+    from validators import torchtitan
+
+    def parallelize(model, mesh):
+        torchtitan.apply_ac(model)
+        for name, block in model.layers.named_children():
+            model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        torchtitan.apply_fsdp(model, mesh)
+
+    def report(device, fn):
+        model, sample_fn, _ = torchtitan.tiny()
+        return estimator.report(model, sample_fn(2), batch=2, device=device, optimizer=torchtitan.optimizer,
+                                step=torchtitan.train_step, strategy=Strategy(mesh={"dp_shard": 2}, parallelize=fn))
+
+    for device in ("cpu", "cuda"):
+        rep = report(device, parallelize)
+        assert any("passed to torch.compile" in n and "Dynamo compiled 1 graph(s)" in n for n in rep.notes)
+        assert rep.peak_bytes != report(device, torchtitan.parallelize).peak_bytes  # not the eager blocks'

@@ -107,7 +107,7 @@ def test_compiled_update_on_the_cuda_target():
     """On the CUDA target torchao's compiled update is Inductor's CPU program (said so in the notes)."""
     factory = _factory("ao AdamW8bit")
     rep = estimator.report(Fallbacks(), torch.randn(2, 64), optimizer=factory, device="cuda")
-    note = next(n for n in rep.notes if "passes to torch.compile" in n)
+    note = next(n for n in rep.notes if "passed to torch.compile" in n)
     assert "Triton" in note and "graph(s)" in note
     assert math.isfinite(rep.peak_bytes)
 

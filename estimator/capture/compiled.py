@@ -32,12 +32,14 @@ import contextlib
 import dataclasses
 import functools
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from estimator.capture import isolation
 from estimator.corrections.patches import patched, patched_all
 from estimator.vocab.errors import InputError
 from estimator.vocab.strategy import COMPILE_MODES
@@ -153,6 +155,18 @@ def eager(model: nn.Module) -> None:
             module.forward = module._orig_mod.__call__
 
 
+def submodule_regions(model: nn.Module) -> None:
+    """Make each ``OptimizedModule`` inside ``model`` (``torch.compile(block)`` in a job's
+    parallelize function, torchtitan's per-block compile; FSDP2 may have wrapped it since) a
+    compiled region of the eager step: its compiled call made again (``_initialize``) while
+    ``fake_runtime(None)`` wraps what ``torch.compile`` returns.  Call it inside that block."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for module in model.modules():
+        if isinstance(module, OptimizedModule) and module is not model:
+            module._initialize()
+
+
 def spec_of(compile: Any) -> Compiled | None:
     """``report(compile=...)``: False/None (eager), True (``torch.compile``'s defaults), a mode
     name, a mapping of ``torch.compile`` keyword arguments, or a ``Compiled``."""
@@ -227,7 +241,8 @@ def eager_regions_note(found: dict[str, Any], target) -> tuple[str, ...]:
     """What the functions an eager step compiled itself became (``fake_runtime(None)``'s dict)."""
     where = (": on a GPU Inductor writes Triton kernels instead of the C++ ones of the capture's CPU program, whose "
              "fusion, and so which intermediates exist, can differ" if target.is_cuda else "")
-    return (f"the step calls functions it passes to torch.compile (torchao's low-bit optimizers do, for their update): "
+    return (f"the step runs functions or submodules passed to torch.compile (torchao's low-bit optimizers compile "
+            f"their update, a job's parallelize function its blocks): "
             f"Dynamo compiled {found['graphs']} graph(s), estimated as Inductor's program allocates their "
             f"buffers{where}",)
 
@@ -317,10 +332,13 @@ def fake_runtime(spec: Compiled | None):
     # autotuning writes its timings to stderr; one compile thread: no worker pool (nothing is compiled)
     quiet = inductor_config.patch(autotune_num_choices_displayed=0, compile_threads=1)
     found: dict[str, Any] = {}
-    regions = contextlib.nullcontext()
+    regions = contextlib.ExitStack()
     if spec is None:
-        regions = patched(eval_frame._TorchDynamoContext, "__call__",
-                          _regions_call(eval_frame._TorchDynamoContext.__call__, found))
+        regions.enter_context(patched(eval_frame._TorchDynamoContext, "__call__",
+                                      _regions_call(eval_frame._TorchDynamoContext.__call__, found)))
+        # a compiled submodule warns when global module hooks exist (fxmem's own, while capturing)
+        regions.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
     else:
         _running[0] += 1
         found["reset"] = torch._dynamo.reset()  # what Dynamo remembers of earlier frames would steer this one
@@ -354,8 +372,8 @@ def _regions_call(call, found: dict[str, Any]):
             if "reset" not in found:
                 found["reset"] = torch._dynamo.reset()
             _running[0] += 1
-            try:
-                with _no_function_modes():
+            try:  # nor global module hooks (fxmem's own: Dynamo would trace them, side effects in a HOP)
+                with _no_function_modes(), isolation.global_hooks_suspended():
                     return compiled_fn(*args, **kwargs)
             finally:
                 _running[0] -= 1

@@ -123,6 +123,8 @@ _PROBES: list[Probe] = []
 class DataDependent(TorchDispatchMode):
     """Answers data-dependent ops on fake tensors by the policy (see the module docstring)."""
 
+    supports_higher_order_operators = True  # a compiled region's RNG operators: passed on
+
     ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
     def __init__(self, policy: Policy, module_names: Mapping[int, str]):

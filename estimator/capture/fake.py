@@ -391,6 +391,8 @@ class RealTensors(TorchDispatchMode):
     modules by id (a tensor met inside one of their calls is the model's).
     """
 
+    supports_higher_order_operators = True  # a compiled region's RNG operators: passed on as they are
+
     ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
     def __init__(self, mode: FakeTensorMode, module_names: dict[int, str], rows: int, dim: int,
@@ -419,6 +421,8 @@ class RealTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         watchdog.beat(func)  # the one beat of a capture: this mode is on wherever its step runs ops
         kwargs = kwargs or {}
+        if not isinstance(func, torch._ops.OpOverload):  # the generator state a compiled region saves
+            return func(*args, **kwargs)
         if (_has_real(args) or kwargs and _has_real(kwargs.values())) and func not in _LIFTS:
             args, kwargs = tree_map_only(torch.Tensor, self._fake_of, (args, kwargs))
         if func in _CHECKED:

@@ -96,7 +96,11 @@ class Shadows:
 
     def follow(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on fake tensors: run it on the shadows where every tensor argument
-        has one, and shadow its outputs; else mark what it wrote as stale."""
+        has one, and shadow its outputs; else mark what it wrote as stale.  A higher-order
+        operator (a compiled region's ``run_and_save_rng_state``) is not followed: it writes
+        nothing it is handed."""
+        if not isinstance(func, torch._ops.OpOverload):
+            return
         tensors = _tensors(args, kwargs)
         followed = (not tensors or all(self.get(t) is not None for t in tensors)) and self._followable(func, out)
         if followed:

@@ -322,6 +322,8 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     module_hooks = phases.module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
     with _step_modes(spec, symbolic, mode, dd) as regions, \
             offload.transfers(tracker) if offload else contextlib.nullcontext():
+        if spec.compiled is None:
+            compiled.submodule_regions(fmodel)
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
             warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)

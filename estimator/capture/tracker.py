@@ -69,6 +69,8 @@ class OpEvent:
 
 
 RESIZE = "storage.resize_"  # the op of a storage's ``resize_()`` (``Tracker.resized``)
+_RUN_AND_SAVE_RNG_STATE = torch.ops.higher_order.run_and_save_rng_state
+_RNG_REGION_OPS = (_RUN_AND_SAVE_RNG_STATE, torch.ops.higher_order.run_with_rng_state)
 
 
 def _storage_id(storage: torch.UntypedStorage) -> int:
@@ -134,6 +136,8 @@ def _inner(t: torch.Tensor) -> list[torch.Tensor]:
 
 class Tracker(TorchDispatchMode):
     """Records allocations and frees of storages, op by op."""
+
+    supports_higher_order_operators = True  # a compiled region's RNG operators: ``_rng_region_op``
 
     ignore_compile_internals = staticmethod(compiled.transparent)  # a compiled step runs under it
 
@@ -417,11 +421,28 @@ class Tracker(TorchDispatchMode):
         finally:
             _pop_mode()
 
+    def _rng_region_op(self, func, args, kwargs):
+        """Inductor's ``run_and_save_rng_state(op, *args)`` / ``run_with_rng_state(state, op,
+        *args)`` (a compiled region that saves an op's randomness for checkpointing to replay,
+        torch/_prims/rng_prims.py): ``op`` recorded as any op of the step, with this mode pushed
+        again; the generator state it saves (``torch.get_rng_state()``, a CPU tensor on either
+        device) is host memory, not recorded."""
+        save = func is _RUN_AND_SAVE_RNG_STATE
+        op, rest = (args[0], args[1:]) if save else (args[1], args[2:])
+        _push_mode(self)
+        try:
+            out = op(*rest, **kwargs)
+        finally:
+            _pop_mode()
+        return (torch.get_rng_state(), out) if save else out
+
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
+        if func in _RNG_REGION_OPS:
+            return self._rng_region_op(func, args, kwargs)
         if _has_dtensor(args, kwargs):
             # DTensor's own dispatch (C++, ``dispatchDTensorOp``) runs the op's local ops and
             # collectives with this mode still pushed: each is recorded as any op of the step

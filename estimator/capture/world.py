@@ -85,10 +85,14 @@ def notes(mesh: tuple[tuple[str, int], ...], cuda: bool) -> tuple[str, ...]:
     return (common + "; on the CUDA target the caching allocator keeps a pool per stream, and the allocations "
             "your job makes on side streams (FSDP2's all-gather copy-in and reduce-scatter streams) are replayed on "
             "theirs; the collectives are counted as the step's tensors only: NCCL's own buffers (outside the caching "
-            "allocator, per communicator: NCCL_BUFFSIZE, 4 MiB by default, per channel and peer; nvidia-smi shows "
-            "them, max_memory_allocated does not) are NOT modelled, nor is a freed block that the GPU still uses on "
-            "another stream waiting for it (recordStream's events: timing, which the replay does not have): treat "
-            "the device figure as a lower bound",)
+            "allocator: nvidia-smi shows them, max_memory_allocated does not) are NOT modelled, nor is a freed block "
+            "that the GPU still uses on another stream waiting for it (recordStream's events: timing, which the "
+            "replay does not have): treat the device figure as a lower bound.  NCCL's buffers, per process group "
+            "(communicator): 9.19 MiB for each channel's connection to a peer with NCCL's defaults (4 MiB SIMPLE = "
+            "NCCL_BUFFSIZE, 4.69 MiB LL128, 0.5 MiB LL), a ring's one per channel, a tree's up to three, up to 32 "
+            "channels over NVLink and more with NVLS: hundreds of MiB to a few GiB per group, which depends on the "
+            "topology NCCL finds (NVIDIA/nccl#864: about 1.6 GB for one all-reduce communicator); leave room for "
+            "them in the budget",)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -493,8 +493,9 @@ def lookup(func, args, kwargs, out, target=Target.CPU) -> Fix:
     else:
         fix = fn(args, kwargs, out)
     # On CUDA a wrapped number stays a CPU scalar (TensorIterator reads it as such) and kernels
-    # cast their inputs as they load them: no device memory.
-    if target is not Target.CPU or fix.measure:  # a measured call sees these buffers itself
+    # cast their inputs as they load them: no device memory.  A higher-order operator (a compiled
+    # region's run_and_save_rng_state) has no schema: the op it runs is its argument.
+    if target is not Target.CPU or fix.measure or not isinstance(func, torch._ops.OpOverload):
         return fix
     wrapped, promoted = _wrapped_scalar_bytes(func, args, out), _promoted_input_bytes(func, args)
     if not (wrapped or promoted):

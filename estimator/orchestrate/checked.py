@@ -180,10 +180,13 @@ def _module(model, notes: list[str]) -> tuple[nn.Module, compiled.Compiled | Non
                          "and cannot run a scripted one on fake tensors; pass the eager module (the one given to "
                          "torch.jit.script / torch.jit.trace)")
     model, compiled_as = compiled.of(model)
-    inner = [path for path, m in model.named_modules() if path and compiled.of(m)[1] is not None]
+    # a submodule torch.compile wrapped runs as a compiled region of the step (compiled.submodule_regions);
+    # one compiled in place (module.compile()) runs eager
+    inner = [path for path, m in model.named_modules() if path and getattr(m, "_compiled_call_impl", None) is not None]
     if inner:
-        notes.append(f"module {inner[0]!r} is compiled with torch.compile: estimated as eager (fxmem compiles the "
-                     "whole model only: pass compile= or the model torch.compile returned)")
+        notes.append(f"module {inner[0]!r} is compiled in place (module.compile()): estimated as eager (fxmem "
+                     "compiles the whole model, or submodules that torch.compile wrapped: pass compile= or "
+                     "assign the module torch.compile returns)")
     return model, compiled_as
 
 
