@@ -220,7 +220,9 @@ def test_torchtitan_rows_run_torchtitans_own_job():
     from validators import torchtitan
 
     titan = {r.key: r for r in ROWS if r.key.startswith("torchtitan-")}
-    assert set(titan) == {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128"}
+    assert set(titan) == {"torchtitan-llama3.1-8b-fsdp8", "torchtitan-llama3.1-8b-fsdp128",
+                          "torchtitan-llama3-8b-compile-bf16", "torchtitan-llama3-8b-compile-float8-rowwise",
+                          "torchtitan-llama3-8b-compile-float8-tensorwise"}
     assert all(r.predict is not None and r.not_estimable is None for r in titan.values())
     params = 2 * 256 * 64 + 64 + 3 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 224 + 2 * 64)  # = 199,104
     reps = {}
@@ -233,6 +235,13 @@ def test_torchtitan_rows_run_torchtitans_own_job():
         assert reps[ranks].breakdown[Category.PARAMETER] == params * 4 // ranks  # 99,552 / 49,776 B
         assert reps[ranks].breakdown[Category.OPTIMIZER_STATE] == 2 * params * 4 // ranks
     assert reps[8].breakdown[Category.ACTIVATION] == reps[16].breakdown[Category.ACTIVATION]
+    # #808's job compiles each block (a compiled region each call): the same state per rank
+    compiled = estimator.report(
+        torchtitan.build(torchtitan.TINY), torchtitan.sample(1, 32, 256), batch=1, device="cuda",
+        strategy=Strategy(mesh={"dp_shard": 8}, parallelize=torchtitan.parallelize_compiled),
+        step=torchtitan.train_step, optimizer=torchtitan.optimizer)
+    assert compiled.breakdown[Category.OPTIMIZER_STATE] == 2 * params * 4 // 8
+    assert any("Dynamo compiled 1 graph(s)" in n for n in compiled.notes)
 
 
 @pytest.mark.parametrize("norm, mlp, rotary, parallel", [("RMSNorm", "LLaMAMLP", 1.0, False),

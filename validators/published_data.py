@@ -643,6 +643,95 @@ TITAN_ROWS = (
 )
 
 
+# -- torchtitan: Llama 3 8B, compiled, bf16 and float8 (pytorch/torchtitan#808, February 2025) -------
+
+_TITAN_F8 = Source(
+    "https://github.com/pytorch/torchtitan/pull/808",
+    "torchtitan #808: add configuration for float8 with rowwise scaling, via recipe lookup",
+    "2025-02-27 (merged as 069bae286)",
+    "",
+    "",
+)
+
+
+def titan_compiled(float8: str | None) -> Callable[[], Prediction]:
+    """torchtitan's 8B job as #808 ran it (``validators.torchtitan.parallelize_compiled``):
+    train_configs/llama3_8b.toml at 069bae286 (batch 1, 8,192 tokens, op-level SAC, FSDP over the
+    8 GPUs, AdamW, clipping at 1.0) with ``--training.compile``, and with ``float8`` the float8
+    converter's recipe; the allocator as run_train.sh sets it (``expandable_segments:True``)."""
+    import functools
+
+    from estimator import Strategy
+    from validators import torchtitan
+
+    def predict() -> Prediction:
+        parallelize = functools.partial(torchtitan.parallelize_compiled, float8=float8)
+        step = torchtitan.train_step_precomputing if float8 == "tensorwise-fsdp" else torchtitan.train_step
+        return Prediction(torchtitan.build(), torchtitan.sample(1), {
+            "batch": 1, "strategy": Strategy(mesh={"dp_shard": 8}, parallelize=parallelize),
+            "step": step, "optimizer": torchtitan.optimizer, "alloc_conf": "expandable_segments:True"})
+
+    return predict
+
+
+_TITAN_F8_SETUP = dict(model="Llama 3 8B", gpu="8 x H100", batch="1 per GPU", seq_len="8192",
+                       optimizer="torch.optim.AdamW (foreach)", fxmem_gpu="H100")
+_TITAN_F8_STACK = ("torch and torchao nightlies of February 2025, torchtitan 069bae286; FSDP2 over 8 GPUs, selective "
+                   "AC (op), each block torch.compile'd; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (run_train.sh)")
+_TITAN_F8_DIFFERENCES = (
+    Difference("compiled blocks", "fxmem compiles each block with Inductor on the capture's CPU tensors: the program "
+               "is Inductor's C++ one for the CPU (its fusions decide which intermediates exist), where the GPU runs "
+               "Triton kernels; float8 matmuls are _scaled_mm as on the GPU"),
+    Difference("torch and torchao", "the PR ran nightlies of February 2025 (torchao's float8 training as it was then); "
+               "fxmem runs torch 2.13 and the torchao installed here, whose float8 code has changed since"),
+    Difference("logging step", "the value is max_reserved at the logged step (20 or 30) since the previous log; "
+               "fxmem's headline is the first steps from a cold start"),
+) + _TITAN_DIFFERENCES[1:2] + _TITAN_DIFFERENCES[3:4]
+_TITAN_F8_MEMORY = ("'memory' is torchtitan's logged max_reserved_gib: memory_stats()['reserved_bytes.all.peak'] / "
+                    "2**30 (torchtitan/components/metrics.py at 069bae286)")
+
+
+def _titan_f8_row(key: str, label: str, command: str, step: str, gib: str, float8: str | None,
+                  precision: str, more: tuple[Difference, ...] = (), not_estimable: str | None = None) -> Row:
+    return Row(
+        key=key,
+        source=Source(_TITAN_F8.url, _TITAN_F8.title, _TITAN_F8.date,
+                      f"the PR's description, 'pretraining LLaMa 3 8B on 8 H100s', {label}: `{command}` "
+                      f"(train_configs/llama3_8b.toml at 069bae286: batch_size 1, seq_len 8192); {_TITAN_F8_MEMORY}",
+                      f"step: {step}  ...  memory: {gib}GiB"),
+        setup=Setup(precision=precision, stack=_TITAN_F8_STACK, **_TITAN_F8_SETUP),
+        quantity=Quantity.RESERVED,
+        published=Published(f"{gib} GiB", round(float(gib) * GiB)),
+        predict=None if not_estimable else titan_compiled(float8),
+        not_estimable=not_estimable,
+        differences=_TITAN_F8_DIFFERENCES + more,
+    )
+
+
+_TOML = "CONFIG_FILE=./torchtitan/models/llama/train_configs/llama3_8b.toml ./run_train.sh"
+TITAN_F8_ROWS = (
+    _titan_f8_row("torchtitan-llama3-8b-compile-bf16", "baseline (bf16 + compile)", f"{_TOML} --training.compile",
+                  "20", "47.65", None, "bf16 parameters, fp32 reduce (FSDP2 mixed precision)"),
+    _titan_f8_row("torchtitan-llama3-8b-compile-float8-rowwise", "experiment (rowwise float8 + compile)",
+                  f"{_TOML} --model.converters float8 --training.compile --float8.recipe_name rowwise", "30", "47.77",
+                  "rowwise", "float8 linears, rowwise scales (torchao), bf16 FSDP2 mixed precision",
+                  more=(Difference("saved for backward", "not explained yet: fxmem's compiled block keeps about "
+                                   "0.59 GiB more for backward than the bf16 one (activations at the peak 34.7 GiB "
+                                   "against 15.7 GiB over 32 blocks: the size of a block's bf16 and float8 weights), "
+                                   "where the PR logged +0.12 GiB; torchao's rowwise recipe took a workaround for "
+                                   "FSDP's memory (pytorch/ao#1629, pytorch/pytorch#141881) in January 2025, and "
+                                   "which tensors the partitioner saves under op-level SAC depends on the torch "
+                                   "and torchao versions"),)),
+    _titan_f8_row("torchtitan-llama3-8b-compile-float8-tensorwise", "tensorwise float8 with float8 all-gather",
+                  f"{_TOML} --model.converters float8 --training.compile --float8.enable_fsdp_float8_all_gather "
+                  "--float8.precompute_float8_dynamic_scale_for_fsdp", "20", "47.32", "tensorwise-fsdp",
+                  "float8 linears, tensorwise scales, float8 all-gather with precomputed scales (torchao)",
+                  not_estimable="float8 all-gather inside a compiled block: its weights' scales reach Inductor as "
+                                "data-dependent floats (.item() on fake tensors), which it refuses "
+                                "(PendingUnbackedSymbolNotFound)"),
+)
+
+
 # -- LitGPT resource tables (lit-gpt commit 8641822, October 2023): LoRA fine-tuning on 1 A100 ------
 
 
@@ -814,7 +903,7 @@ OB_ROWS = (
     ),
 )
 
-ROWS: tuple[Row, ...] = HF_ROWS + TUTORIAL_ROWS + LIT_ROWS + TITAN_ROWS + OB_ROWS + AO_ROWS
+ROWS: tuple[Row, ...] = HF_ROWS + TUTORIAL_ROWS + LIT_ROWS + TITAN_ROWS + TITAN_F8_ROWS + OB_ROWS + AO_ROWS
 
 
 @dataclass(frozen=True)

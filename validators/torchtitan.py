@@ -19,6 +19,12 @@ copied from it; each piece names its file there (``git show 9dec370:<file>``):
   train.py's ``loss_fn``, ``del pred`` before backward, ``clip_grad_norm_`` (torchtitan/utils.py:
   ``get_total_norm`` and ``clip_grads_with_norm_``, foreach), the AdamW step (torchtitan/optimizer.py:
   foreach, betas (0.9, 0.95), weight decay 0.1).
+
+And as its float8 pull request ran the 8B job (pytorch/torchtitan#808, merged as 069bae286,
+2025-02-27; its model, step and SAC policy unchanged since 9dec370 but for names): with
+``--training.compile`` (``apply_compile``, each block compiled after AC, before FSDP) and
+``--model.converters float8`` (``convert_float8``, torchtitan/components/float8.py):
+``parallelize_compiled``.
 """
 
 from __future__ import annotations
@@ -185,6 +191,49 @@ def parallelize(model: Transformer, mesh) -> None:
     (torchtitan's ``dp_shard`` dim)."""
     apply_ac(model)
     apply_fsdp(model, mesh)
+
+
+def apply_compile(model: Transformer) -> None:
+    """parallelize_llama.py ``apply_compile`` (``--training.compile``): each block
+    ``torch.compile(block, fullgraph=True)``, after AC and before FSDP (069bae286, as at 9dec370)."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, fullgraph=True))
+
+
+def convert_float8(model: Transformer, recipe: str) -> None:
+    """torchtitan/components/float8.py at 069bae286 (``--model.converters float8``), applied to the
+    model before it is parallelized: every Linear but ``output`` a torchao ``Float8Linear``, by
+    ``Float8LinearConfig.from_recipe_name(recipe)`` (``--float8.recipe_name rowwise``), or, for
+    ``recipe="tensorwise-fsdp"``, the default tensorwise config with float8 all-gather
+    (``--float8.enable_fsdp_float8_all_gather``; its scales precomputed after each optimizer
+    step, ``train_step_precomputing``)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True) if recipe == "tensorwise-fsdp" \
+        else Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "output")
+
+
+def parallelize_compiled(model: Transformer, mesh, float8: str | None = None) -> None:
+    """``parallelize_llama`` at 069bae286 for the 1-D FSDP job with ``--training.compile`` (and
+    ``--model.converters float8`` where ``float8`` names its recipe): the converter, op-level SAC,
+    the per-block compile, FSDP2."""
+    if float8 is not None:
+        convert_float8(model, float8)
+    apply_ac(model)
+    apply_compile(model)
+    apply_fsdp(model, mesh)
+
+
+def train_step_precomputing(model: nn.Module, batch: dict[str, torch.Tensor],
+                            optimizer: torch.optim.Optimizer) -> None:
+    """``train_step`` with the float8 converter's post-optimizer hook of 069bae286
+    (``--float8.precompute_float8_dynamic_scale_for_fsdp``: torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` on the model after ``optimizer.step()``)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    train_step(model, batch, optimizer)
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def optimizer(model: nn.Module | list) -> torch.optim.Optimizer:

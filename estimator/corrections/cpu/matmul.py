@@ -26,6 +26,7 @@ from estimator.corrections.registry import (
     NO_FIX,
     Fix,
     correction,
+    fake_kernel,
     in_reduced_precision,
     is_gemm_ready,
     is_contiguous,
@@ -94,7 +95,16 @@ def matmul_added(args, kwargs, out) -> Fix:
 
 
 
-@correction(aten._scaled_mm.default, targets=Target.CPU)
+@fake_kernel(aten._scaled_mm.out, targets=(Target.CPU, Target.CUDA))
+def scaled_mm_into(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False, *, out):
+    """``_scaled_mm.out`` (what Inductor's wrapper calls, ``extern_kernels._scaled_mm(..., out=)``)
+    writes ``out``, of the product's shape; it has no fake kernel, and fake tensors would run the
+    real kernel on zero-filled inputs of the real sizes (minutes for a Llama 8B block on the CPU)."""
+    return out
+
+
+@correction(aten._scaled_mm.default, aten._scaled_mm.out, targets=Target.CPU)
 def scaled_mm(args, kwargs, out) -> Fix:
     """A CPU ``_scaled_mm`` (torchao's float8 matmuls; aten/src/ATen/native/Blas.cpp).
     ``_scaled_mm_out_cpu`` takes oneDNN's fp8 matmul on a host with AMX-INT8 (measured there),
