@@ -276,7 +276,9 @@ def _state_where(spec: StepSpec, optimizers: list, rule, with_params: bool = Fal
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                items = [*(("param", p), ("grad", p.grad))[:2 * with_params], *optimizer.state.get(p, {}).items()]
+                items = list(optimizer.state.get(p, {}).items())
+                if with_params:
+                    items += [("param", p), ("grad", p.grad)]
                 found += [value for key, value in items
                           if isinstance(value, torch.Tensor) and rule(spec.target.device, optimizer, group, key, value)]
     return found

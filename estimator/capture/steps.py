@@ -77,12 +77,11 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "rmsprop": torch.optim.RMSprop,
     "rprop": torch.optim.Rprop,
 }
-# Optimizers that need a learning rate to be constructed.
-_DEFAULT_KWARGS = {"sgd": {"lr": 1e-3}}
-# Low-bit optimizers of optional libraries, by name (``-`` / ``_`` ignored, any case; transformers'
-# ``TrainingArguments(optim=)`` names too): (module, class).  bitsandbytes keeps 8-bit states in
-# blocks of 256 with fp32 states for tensors under ``min_8bit_size`` (4,096 elements); ``paged``
-# ones keep states of >= 100,000 elements in CUDA managed memory; torchao's compile their update.
+_DEFAULT_KWARGS = {"sgd": {"lr": 1e-3}}  # optimizers that need a learning rate to be constructed
+# Optimizers of optional libraries, by name (``-`` / ``_`` ignored, any case; transformers'
+# ``TrainingArguments(optim=)`` names too): (module, class).  bitsandbytes keeps 8-bit states in blocks
+# of 256 (fp32 under ``min_8bit_size``, 4,096 elements), ``paged`` ones those of >= 100,000 elements in
+# CUDA managed memory; torchao's compile their update; its CPUOffloadOptimizer steps AdamW on the CPU.
 LOW_BIT_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "adam8bit": ("bitsandbytes.optim", "Adam8bit"),
     "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
@@ -97,9 +96,7 @@ LOW_BIT_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "adamwtorch4bit": ("torchao.optim", "AdamW4bit"),
     "aoadamw4bit": ("torchao.optim", "AdamW4bit"),
     "aoadamwfp8": ("torchao.optim", "AdamWFp8"),
-    # AdamW stepped on the CPU (its default: fused CPU AdamW), the parameters' copies in host memory;
-    # a GPU only (its constructor asserts one): the CUDA target
-    "cpuoffloadadamw": ("torchao.optim", "CPUOffloadOptimizer"),
+    "cpuoffloadadamw": ("torchao.optim", "CPUOffloadOptimizer"),  # a GPU only: its constructor asserts one
 }
 
 

@@ -374,8 +374,8 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
-    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed) + (offload.notes() if offload else ())
-    notes += phases.host_note(phases.host_state(spec, optimizers))  # the state the step made included
+    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
+    notes += (offload.notes() if offload else ()) + phases.host_note(phases.host_state(spec, optimizers))
     notes += datadep.host_note(dd.host_reads)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "

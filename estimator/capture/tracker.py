@@ -247,7 +247,8 @@ class Tracker(TorchDispatchMode):
         ``CPUOffloadPolicy``: ``capture/world.py`` ``Offload``): never tracked.  In the optimizer
         phase, an op whose tensors are on the host makes its outputs there (the optimizer steps on
         the CPU); elsewhere outputs are the target's but for ``copy``'s (the safe side: a host
-        tensor used on the device without a copy fxmem saw is counted there)."""
+        tensor used on the device without a copy fxmem saw is counted there).  The tensors that
+        decide are the op's non-scalar ones (a CUDA kernel takes host scalars), else its scalars."""
         for t in tensors:
             storage = t.untyped_storage()
             address = _storage_id(storage)
@@ -276,8 +277,8 @@ class Tracker(TorchDispatchMode):
         if self.phase is not Phase.OPTIMIZER:
             return False
         tensors = [t for t in _leaves((*args, *kwargs.values())) if isinstance(t, torch.Tensor)]
-        host = [self.on_host(t) for t in tensors]
-        return any(host) and all(h or t.dim() == 0 for h, t in zip(host, tensors))
+        deciding = [t for t in tensors if t.dim()] or tensors  # a device op takes host scalars, not the reverse
+        return bool(deciding) and all(self.on_host(t) for t in deciding)
 
     def alive_storages(self) -> list[torch.UntypedStorage]:
         """The storages this tracker saw allocated that are still alive."""
