@@ -692,7 +692,7 @@ _TITAN_F8_MEMORY = ("'memory' is torchtitan's logged max_reserved_gib: memory_st
 
 
 def _titan_f8_row(key: str, label: str, command: str, step: str, gib: str, float8: str | None,
-                  precision: str, more: tuple[Difference, ...] = (), not_estimable: str | None = None) -> Row:
+                  precision: str, not_estimable: str | None = None) -> Row:
     return Row(
         key=key,
         source=Source(_TITAN_F8.url, _TITAN_F8.title, _TITAN_F8.date,
@@ -704,7 +704,7 @@ def _titan_f8_row(key: str, label: str, command: str, step: str, gib: str, float
         published=Published(f"{gib} GiB", round(float(gib) * GiB)),
         predict=None if not_estimable else titan_compiled(float8),
         not_estimable=not_estimable,
-        differences=_TITAN_F8_DIFFERENCES + more,
+        differences=_TITAN_F8_DIFFERENCES,
     )
 
 
@@ -714,14 +714,7 @@ TITAN_F8_ROWS = (
                   "20", "47.65", None, "bf16 parameters, fp32 reduce (FSDP2 mixed precision)"),
     _titan_f8_row("torchtitan-llama3-8b-compile-float8-rowwise", "experiment (rowwise float8 + compile)",
                   f"{_TOML} --model.converters float8 --training.compile --float8.recipe_name rowwise", "30", "47.77",
-                  "rowwise", "float8 linears, rowwise scales (torchao), bf16 FSDP2 mixed precision",
-                  more=(Difference("saved for backward", "not explained yet: fxmem's compiled block keeps about "
-                                   "0.59 GiB more for backward than the bf16 one (activations at the peak 34.7 GiB "
-                                   "against 15.7 GiB over 32 blocks: the size of a block's bf16 and float8 weights), "
-                                   "where the PR logged +0.12 GiB; torchao's rowwise recipe took a workaround for "
-                                   "FSDP's memory (pytorch/ao#1629, pytorch/pytorch#141881) in January 2025, and "
-                                   "which tensors the partitioner saves under op-level SAC depends on the torch "
-                                   "and torchao versions"),)),
+                  "rowwise", "float8 linears, rowwise scales (torchao), bf16 FSDP2 mixed precision"),
     _titan_f8_row("torchtitan-llama3-8b-compile-float8-tensorwise", "tensorwise float8 with float8 all-gather",
                   f"{_TOML} --model.converters float8 --training.compile --float8.enable_fsdp_float8_all_gather "
                   "--float8.precompute_float8_dynamic_scale_for_fsdp", "20", "47.32", "tensorwise-fsdp",

@@ -165,14 +165,17 @@ def sample(batch: int, seq_len: int = 8192, vocab: int = VOCAB) -> dict[str, tor
 # parallelize_llama.py ``_save_list`` at 9dec370 (the ops this torch lacks are skipped)
 SAVE = ("aten.mm", "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_flash_attention",
         "_c10d_functional.reduce_scatter_tensor", "aten.abs", "aten.max")
+# ... and at 069bae286 (models/llama/parallelize_llama.py): ``aten.abs`` no longer saved ("it's useful to
+# always save the result of max"; with float8 linears every abs of a cast input or weight was kept)
+SAVE_2025 = tuple(op for op in SAVE if op != "aten.abs")
 
 
-def apply_ac(model: Transformer) -> None:
+def apply_ac(model: Transformer, save: tuple[str, ...] = SAVE) -> None:
     """parallelize_llama.py ``apply_ac`` with ``mode="selective"``, ``selective_ac_option="op"``: its
     policy (every second mm recomputed) as ``models_zoo.parallelize.apply_op_sac`` writes it."""
     from models_zoo.parallelize import apply_op_sac
 
-    apply_op_sac(model, SAVE)
+    apply_op_sac(model, save)
 
 
 def apply_fsdp(model: Transformer, mesh) -> None:
@@ -216,11 +219,11 @@ def convert_float8(model: Transformer, recipe: str) -> None:
 
 def parallelize_compiled(model: Transformer, mesh, float8: str | None = None) -> None:
     """``parallelize_llama`` at 069bae286 for the 1-D FSDP job with ``--training.compile`` (and
-    ``--model.converters float8`` where ``float8`` names its recipe): the converter, op-level SAC,
-    the per-block compile, FSDP2."""
+    ``--model.converters float8`` where ``float8`` names its recipe): the converter, op-level SAC
+    (that commit's save list, ``SAVE_2025``), the per-block compile, FSDP2."""
     if float8 is not None:
         convert_float8(model, float8)
-    apply_ac(model)
+    apply_ac(model, SAVE_2025)
     apply_compile(model)
     apply_fsdp(model, mesh)
 
