@@ -207,3 +207,49 @@ def test_blocks_compiled_by_a_parallelize_function():
         rep = report(device, parallelize)
         assert any("passed to torch.compile" in n and "Dynamo compiled 1 graph(s)" in n for n in rep.notes)
         assert rep.peak_bytes != report(device, torchtitan.parallelize).peak_bytes  # not the eager blocks'
+
+
+def test_blocks_compiled_with_op_level_sac_match_the_real_step():
+    """torchtitan's blocks, op-level SAC then ``torch.compile(block)`` each, one process: the
+    compiled regions take the batch symbol, so the numbers at b come from the programs compiled
+    for b alone (as the real loop compiles them), and Inductor's ``run_and_save_rng_state`` (SDPA
+    replayed under SAC) keeps the CPU generator's state, 5,056 B per block, to the backward.
+    Exact to the byte against the real compiled step (SGD: the peak is in the backward; before
+    both fixes the prediction was 46,208 B low)."""
+    from validators import torchtitan
+    from validators.cpu import measure_user_step, threads
+
+    def build():
+        torch.manual_seed(0)
+        model = torchtitan.build(torchtitan.TINY, device="cpu").to(torch.bfloat16)
+        torchtitan.apply_ac(model, torchtitan.SAVE_2025)
+        torchtitan.apply_compile(model)
+        return model
+
+    sample = torchtitan.sample(2, torchtitan.TINY.max_seq_len, torchtitan.TINY.vocab_size)
+    with threads(1):
+        rep = estimator.report(build(), sample, batch=2, device="cpu", step=torchtitan.train_step, optimizer="sgd")
+        torch._dynamo.reset()
+        measured = measure_user_step(build(), sample, torchtitan.train_step, optimizer="sgd").peak_bytes
+    assert rep.peak_bytes == measured  # tolerance: none (0 B)
+    assert any("compile a program of their own for each batch size" in n for n in rep.notes)
+
+
+def test_float8_all_gather_in_compiled_blocks():
+    """torchtitan#808's tensorwise float8 row: FSDP2's float8 all-gather with precomputed scales
+    into compiled blocks.  Before: "PendingUnbackedSymbolNotFound" (AOTAutograd's structured log
+    formats the float8 weights' scales, and fxmem's ``Tensor.__format__`` read a compiler's fake
+    0-dim tensor as ``.item()``), then a data-dependent read (torchao's ``__tensor_flatten__``
+    asks ``if self._precomputed_scale``, which fxmem called to find a subclass's tensors)."""
+    import functools
+
+    from validators import torchtitan
+
+    model, sample_fn, _ = torchtitan.tiny()
+    parallelize = functools.partial(torchtitan.parallelize_compiled, float8="tensorwise-fsdp")
+    rep = estimator.report(model, sample_fn(2), batch=2, device="cuda", optimizer=torchtitan.optimizer,
+                           step=torchtitan.train_step_precomputing,
+                           strategy=Strategy(mesh={"dp_shard": 2}, parallelize=parallelize))
+    assert any("passed to torch.compile" in n and "Dynamo compiled 1 graph(s)" in n for n in rep.notes)
+    assert not any("were taken as 0.0" in n for n in rep.notes)  # no scale's value was asked
+

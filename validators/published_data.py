@@ -718,10 +718,7 @@ TITAN_F8_ROWS = (
     _titan_f8_row("torchtitan-llama3-8b-compile-float8-tensorwise", "tensorwise float8 with float8 all-gather",
                   f"{_TOML} --model.converters float8 --training.compile --float8.enable_fsdp_float8_all_gather "
                   "--float8.precompute_float8_dynamic_scale_for_fsdp", "20", "47.32", "tensorwise-fsdp",
-                  "float8 linears, tensorwise scales, float8 all-gather with precomputed scales (torchao)",
-                  not_estimable="float8 all-gather inside a compiled block: its weights' scales reach Inductor as "
-                                "data-dependent floats (.item() on fake tensors), which it refuses "
-                                "(PendingUnbackedSymbolNotFound)"),
+                  "float8 linears, tensorwise scales, float8 all-gather with precomputed scales (torchao)"),
 )
 
 

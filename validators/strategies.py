@@ -196,6 +196,15 @@ def meshes() -> list[Case]:
         case("mesh: torchtitan's Llama 3 job (op-level SAC, FSDP2 x2 bf16, its step and AdamW)", "torchtitan",
              {"dp_shard": 2}, torchtitan.parallelize, batch=2, user_step=torchtitan.train_step,
              optimizer=torchtitan.optimizer),
+        case("mesh: torchtitan's job with compiled blocks (#808's --training.compile)", "torchtitan",
+             {"dp_shard": 2}, torchtitan.parallelize_compiled, batch=2, user_step=torchtitan.train_step,
+             optimizer=torchtitan.optimizer),
+        case("mesh: torchtitan's job, compiled blocks, rowwise float8 (#808)", "torchtitan", {"dp_shard": 2},
+             functools.partial(torchtitan.parallelize_compiled, float8="rowwise"), batch=2,
+             user_step=torchtitan.train_step, optimizer=torchtitan.optimizer),
+        case("mesh: torchtitan's job, compiled blocks, tensorwise float8 with float8 all-gather (#808)", "torchtitan",
+             {"dp_shard": 2}, functools.partial(torchtitan.parallelize_compiled, float8="tensorwise-fsdp"), batch=2,
+             user_step=torchtitan.train_step_precomputing, optimizer=torchtitan.optimizer),
     ]
 
 

@@ -371,6 +371,8 @@ def _regions_call(call, found: dict[str, Any]):
         def region(*args, **kwargs):
             if "reset" not in found:
                 found["reset"] = torch._dynamo.reset()
+            if getattr(self, "_dynamic", None) is not True and _symbolic(args, kwargs):
+                found["symbolic"] = True  # compiled for every b at once, where the real call compiles for its own
             _running[0] += 1
             try:  # nor global module hooks (fxmem's own: Dynamo would trace them, side effects in a HOP)
                 with _no_function_modes(), isolation.global_hooks_suspended():
@@ -381,6 +383,13 @@ def _regions_call(call, found: dict[str, Any]):
         return region
 
     return compile_region
+
+
+def _symbolic(args, kwargs) -> bool:
+    """Whether a tensor among a compiled region's arguments has a symbolic size (the capture's
+    batch or sequence symbol): Dynamo then compiles one program for every size."""
+    return any(isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in t.shape)
+               for t in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from estimator.capture import compiled, quantized, steps, watchdog
+from estimator.capture.tracker import wrapped
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import CaptureError, InputError
 
@@ -516,8 +517,7 @@ def _is_real(t: torch.Tensor) -> bool:
     if isinstance(t, FakeTensor):
         return False
     if is_traceable_wrapper_subclass(t):
-        inner = [getattr(t, attr) for attr in t.__tensor_flatten__()[0]]
-        return any(_is_real(x) for x in inner if isinstance(x, torch.Tensor))
+        return any(_is_real(x) for x in wrapped(t).values())
     return True
 
 

@@ -106,3 +106,6 @@ class RawCapture:
     reads_values: bool = False
     # Strategy(mesh=): the ranks grouped by the program they run, in rank order (``world.roles``)
     roles: tuple[tuple[int, ...], ...] = ()
+    # an eager step's own torch.compile'd regions (a parallelize function's per-block compile) took the capture's
+    # symbols: their programs are the compiler's for every size, where a real run compiles for its own
+    symbolic_regions: bool = False

@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from estimator.capture import generation, world
 from estimator.capture.checkpointing import checkpointing
+from estimator.capture.tracker import wrapped
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.errors import InputError
@@ -645,11 +646,7 @@ def _plain(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return _plain(name, shard)
     if not is_traceable_wrapper_subclass(t):
         return {name: t, **parameter_attribute_tensors(name, t)}
-    found = {}
-    for attr in t.__tensor_flatten__()[0]:
-        if isinstance(inner := getattr(t, attr), torch.Tensor):
-            found.update(_plain(f"{name}.{attr}", inner))
-    return found
+    return {k: x for attr, inner in wrapped(t).items() for k, x in _plain(f"{name}.{attr}", inner).items()}
 
 
 COPIED_ATTRIBUTES = "_fxmem_parameter_attributes"  # on a fake parameter: the names it was given (fake_model)

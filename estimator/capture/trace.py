@@ -402,6 +402,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
     raw.state_names, raw.reads_values, raw.roles = state_names, dd.read_values, roles
+    raw.symbolic_regions = spec.compiled is None and bool(regions.get("symbolic"))
     return raw
 
 

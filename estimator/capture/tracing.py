@@ -47,8 +47,10 @@ def _format(self, format_spec):
     """``Tensor.__format__`` (torch/_tensor.py) formats a 0-dim tensor as its number only when
     ``type(self) is Tensor``: a fake stand-in of a plain tensor would print as a repr
     (transformers' Switch router: ``self[f"expert_{expert_idx[0]}"]``).  It takes the real
-    tensor's branch, its value read as ``.item()`` is (``datadep``)."""
-    if type(self) is FakeTensor and self.dim() == 0:
+    tensor's branch, its value read as ``.item()`` is (``datadep``).  A compiler's own fake tensors (a
+    compiled region's, formatted by its logging: AOTAutograd's structured trace prints torchao's
+    float8 tensors with their scales) print as in a real compile: their repr, no value read."""
+    if type(self) is FakeTensor and self.dim() == 0 and torch._guards.TracingContext.try_get() is None:
         return self.detach().item().__format__(format_spec)
     return _TENSOR_FORMAT(self, format_spec)
 

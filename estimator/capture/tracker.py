@@ -126,12 +126,18 @@ def _has_dtensor(args, kwargs) -> bool:
     return False
 
 
+def wrapped(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors a wrapper subclass holds, by attribute: its tensor attributes, not what its
+    ``__tensor_flatten__`` names, which may read a value (torchao's float8 weight asks
+    ``if self._precomputed_scale``, which a fake scale cannot answer as the real one does)."""
+    return {attr: x for attr, x in vars(t).items() if isinstance(x, torch.Tensor)}
+
+
 def _inner(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t``, or the tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
+    """``t``, or the tensors a wrapper subclass holds (``wrapped``), recursively."""
     if isinstance(t, FakeTensor) or not is_traceable_wrapper_subclass(t):
         return [t]
-    return [x for attr in t.__tensor_flatten__()[0] if isinstance(inner := getattr(t, attr), torch.Tensor)
-            for x in _inner(inner)]
+    return [x for inner in wrapped(t).values() for x in _inner(inner)]
 
 
 class Tracker(TorchDispatchMode):
@@ -426,16 +432,21 @@ class Tracker(TorchDispatchMode):
         """Inductor's ``run_and_save_rng_state(op, *args)`` / ``run_with_rng_state(state, op,
         *args)`` (a compiled region that saves an op's randomness for checkpointing to replay,
         torch/_prims/rng_prims.py): ``op`` recorded as any op of the step, with this mode pushed
-        again; the generator state it saves (``torch.get_rng_state()``, a CPU tensor on either
-        device) is host memory, not recorded."""
+        again.  The generator state it saves is a CPU tensor kept for the backward: on the CPU
+        target the CPU generator's (``torch.get_rng_state()``, 5,056 B with this torch), made where
+        the op is, as an allocation of the step; on the CUDA target the CUDA generator's seed and
+        offset (``torch.cuda.get_rng_state()``), host memory, not recorded."""
         save = func is _RUN_AND_SAVE_RNG_STATE
         op, rest = (args[0], args[1:]) if save else (args[1], args[2:])
+        state = torch.get_rng_state()
         _push_mode(self)
         try:
+            if save and not self.spec.is_cuda:  # rng_prims.py's CPU impl: the state first, then the op
+                state = torch.empty(state.shape, dtype=state.dtype)
             out = op(*rest, **kwargs)
         finally:
             _pop_mode()
-        return (torch.get_rng_state(), out) if save else out
+        return (state, out) if save else out
 
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

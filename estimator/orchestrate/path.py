@@ -99,9 +99,10 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
         sites, reads_values, roles = raw.data_dependent, raw.reads_values, raw.roles
+        symbolic_regions = raw.symbolic_regions
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
-        path, guards, valid_from = CapturePath.CONCRETE, (), 2
+        path, guards, valid_from, symbolic_regions = CapturePath.CONCRETE, (), 2, False
         reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
             timeline, graph, valid_to, note, host_notes, sites, roles = _concrete(model, sample, spec, hint, exc)
@@ -129,6 +130,11 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
     if spec.compiled is not None:
         timeline, own, compiled_notes = _static(model, sample, spec, hint, timeline, seq, path, notes)
         notes.extend(compiled_notes)
+    elif symbolic_regions:
+        timeline, own, note = _own_program(model, sample, spec, hint, timeline, seq, (
+            "your step's torch.compile'd regions (a parallelize function's per-block compile) compile a program of "
+            "their own for each batch size (static shapes, as a loop at one batch size does)"))
+        notes.append(note)
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
                    reads_values, roles)
 
@@ -246,20 +252,30 @@ def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: i
              f"{spec.compiled.program}", *compiled.notes(spec)]
     if spec.compiled.dynamic or path is CapturePath.CONCRETE:  # the formula's captures are static programs
         return timeline, None, notes
+    timeline, own, note = _own_program(model, sample, spec, hint, timeline, seq, (
+        "each batch size compiles its own program (static shapes, as a loop at one batch size does)"))
+    return timeline, own, [*notes, note]
+
+
+def _own_program(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, what: str):
+    """The step captured again at ``hint`` with static shapes, where ``what`` (compiled code) makes
+    a program of its own for each batch size: the formula raised to that program's peak at
+    ``hint`` where it is higher, the capture at ``hint`` (``Formula.own``) and the note."""
     static = account(capture(model, sample, spec, hint, symbolic=False))
     at = timeline.at_s(seq) if seq is not None else timeline
     formula_peak = max(p(hint) for p, _ in at.candidates())
     static_peak = max(p(hint) for p, _ in static.candidates())
     off = 100 * (static_peak - formula_peak) / static_peak
-    if static_peak > formula_peak:  # never below the program the user runs at b=hint
+    raised = static_peak > formula_peak
+    if raised:  # never below the program the user runs at b=hint
         timeline = timeline.raised(Poly.const(static_peak - formula_peak))
-    notes.append(f"each batch size compiles its own program (static shapes, as a loop at one batch size does): the "
-                 f"numbers at b={hint} come from that program; the formula in b is the program compiled for every "
-                 f"b at once (dynamic=True), {formula_peak:,} B at b={hint} ({off:+.1f}% from the static program's "
-                 f"{static_peak:,} B)" + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, "
-                 "at every b" if static_peak > formula_peak else "") + ("; at other batch sizes the static program "
-                 "can differ as much: report the batch you choose for its exact numbers" if abs(off) >= 0.5 else ""))
-    return timeline, (hint, static), notes
+    note = (f"{what}: the numbers at b={hint} come from that program; the formula in b is the program compiled for "
+            f"every b at once (dynamic=True), {formula_peak:,} B at b={hint} ({off:+.1f}% from the static program's "
+            f"{static_peak:,} B)"
+            + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, at every b" if raised else "")
+            + ("; at other batch sizes the static program can differ as much: report the batch you choose for its "
+               "exact numbers" if abs(off) >= 0.5 else ""))
+    return timeline, (hint, static), note
 
 
 class _ProgramDiffers(CaptureError):

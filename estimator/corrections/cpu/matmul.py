@@ -81,16 +81,18 @@ def _fix(args, kwargs, m1: torch.Tensor, m2: torch.Tensor, batched: bool) -> Fix
     return Fix(scratch=(copies,)) if copies else NO_FIX
 
 
-@correction(aten.mm.default, aten.bmm.default, targets=Target.CPU)
+@correction(aten.mm.default, aten.bmm.default, aten.mm.out, aten.bmm.out, targets=Target.CPU)
 def matmul(args, kwargs, out) -> Fix:
-    """``mm(self, mat2)``, ``bmm(self, mat2)``: ``_fix``."""
+    """``mm(self, mat2)``, ``bmm(self, mat2)``, and their ``out=`` forms (what a compiled region's
+    Inductor program calls: ``extern_kernels.mm(a, b, out=buf)``, the same kernel): ``_fix``."""
     return _fix(args, kwargs, args[0], args[1], out.dim() == 3)
 
 
-@correction(aten.addmm.default, aten.baddbmm.default, aten._addmm_activation.default, targets=Target.CPU)
+@correction(aten.addmm.default, aten.baddbmm.default, aten._addmm_activation.default, aten.addmm.out,
+            aten.baddbmm.out, aten._addmm_activation.out, targets=Target.CPU)
 def matmul_added(args, kwargs, out) -> Fix:
-    """``addmm(self, mat1, mat2)`` and the like: ``self`` is copied into the result, never handed to
-    BLAS; ``_fix``."""
+    """``addmm(self, mat1, mat2)`` and the like (and their ``out=`` forms): ``self`` is copied into
+    the result, never handed to BLAS; ``_fix``."""
     return _fix(args, kwargs, args[1], args[2], out.dim() == 3)
 
 
