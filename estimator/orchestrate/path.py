@@ -272,7 +272,8 @@ def _own_program(model, sample, spec: StepSpec, hint: int, timeline: Timeline, s
     note = (f"{what}: the numbers at b={hint} come from that program; the formula in b is the program compiled for "
             f"every b at once (dynamic=True), {formula_peak:,} B at b={hint} ({off:+.1f}% from the static program's "
             f"{static_peak:,} B)"
-            + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, at every b" if raised else "")
+            + (f"; the formula is raised by the difference, {static_peak - formula_peak:,} B, at every b"
+               if raised else "")
             + ("; at other batch sizes the static program can differ as much: report the batch you choose for its "
                "exact numbers" if abs(off) >= 0.5 else ""))
     return timeline, (hint, static), note
