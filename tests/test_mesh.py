@@ -483,3 +483,22 @@ def test_gradients_a_step_starts_with_are_their_local_shards():
     # the root's group (embedding, output, norm: 32,832 parameters), then 3 blocks of 55,424, halved, fp32
     assert grads == [32_832 // 2 * F32] + 3 * [55_424 // 2 * F32] == [65_664, 110_848, 110_848, 110_848]
     assert not [n for n in rep.notes if "keeps" in n]
+
+
+def test_roles_follow_each_tensors_own_mesh():
+    """A parameter sharded on a sub-mesh (``mesh["tp"]``) or on another mesh over the same ranks
+    (transformers' expert mesh): each rank's coordinate is taken on that tensor's mesh.  Three rows
+    over tp = 2: 2 rows where tp = 0, 1 where tp = 1, so ranks (dp, tp) = 0, 2 and 1, 3 (row-major);
+    the job's own mesh's first dim (dp) would have split them 0, 1 and 2, 3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from estimator.capture import world
+
+    with world.joined((("dp", 2), ("tp", 2)), 0) as mesh:
+        model = nn.Linear(1, 3)
+        model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh["tp"], [Shard(0)]))
+        assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 2), (1, 3))
+        other = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))  # 3 rows over 4: 1, 1, 1, 0
+        model.weight = nn.Parameter(distribute_tensor(torch.empty(3, 1), other, [Shard(0)]))
+        assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 1, 2), (3,))

@@ -281,21 +281,32 @@ def offload(model: nn.Module, cuda: bool) -> Offload | None:
 
 def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
     """The ranks grouped by the local shapes of the model's DTensor parameters and buffers
-    (``_compute_local_shape_and_global_offset`` at each rank's mesh coordinate), in rank order;
-    one group when the model holds no DTensor."""
+    (``_compute_local_shape_and_global_offset`` at each rank's coordinate on the tensor's own mesh:
+    the job's, one of its sub-meshes, or another mesh over the same ranks, such as transformers'
+    expert mesh), in rank order; one group when the model holds no DTensor."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    sizes = tuple(size for _, size in mesh)
-    layouts = {(tuple(t.shape), tuple(t.placements))
+    layouts = {(tuple(t.shape), tuple(t.placements), t.device_mesh)
                for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
     groups: dict[tuple, list[int]] = {}
-    for rank in range(math.prod(sizes)):
-        coordinate = list(_coordinate(rank, sizes))
-        local = tuple(_compute_local_shape_and_global_offset(shape, sizes, coordinate, placements, skip_offset=True)[0]
-                      for shape, placements in sorted(layouts, key=repr))
+    for rank in range(math.prod(size for _, size in mesh)):
+        local = tuple(_compute_local_shape_and_global_offset(shape, tuple(on.shape), _mesh_coordinate(on, rank),
+                                                             placements, skip_offset=True)[0]
+                      for shape, placements, on in sorted(layouts, key=repr))
         groups.setdefault(local, []).append(rank)
     return tuple(tuple(ranks) for ranks in groups.values())
+
+
+def _mesh_coordinate(mesh, rank: int) -> list[int]:
+    """``rank``'s coordinate on ``mesh``: its index along each dim of the root mesh ``mesh`` was cut
+    from (``init_device_mesh`` lays the world's ranks out row-major), kept for ``mesh``'s dims."""
+    root = mesh._get_root_mesh()
+    full = _coordinate(rank, list(root.shape))
+    if root is mesh:
+        return list(full)
+    names = root.mesh_dim_names
+    return [full[names.index(name)] for name in mesh.mesh_dim_names]
 
 
 def role_name(mesh: tuple[tuple[str, int], ...], ranks: tuple[int, ...]) -> str:
