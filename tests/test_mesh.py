@@ -502,3 +502,28 @@ def test_roles_follow_each_tensors_own_mesh():
         other = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))  # 3 rows over 4: 1, 1, 1, 0
         model.weight = nn.Parameter(distribute_tensor(torch.empty(3, 1), other, [Shard(0)]))
         assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 1, 2), (3,))
+
+
+def test_expert_parallel_token_dispatch_is_refused_by_name():
+    """transformers' expert parallelism (``DistributedConfig(ep_size=)``) sizes its token dispatch
+    by the counts an all-to-all brings from the other ranks (``.tolist()``): no single-process run
+    can give them, and the error says so rather than suggesting ``data_dependent='sample'``."""
+    import transformers
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    def expert_parallel(model, mesh):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        config = DistributedConfig(fsdp_size=2, ep_size=2)
+        dense = init_device_mesh("cpu", (1, 1, 2, 1), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+        experts = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(dense, experts))
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(estimator.CaptureError, match="comes from the other ranks") as info:
+        estimator.report(transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}, batch=2,
+                         device="cpu", strategy=Strategy(mesh={"fsdp": 2}, parallelize=expert_parallel))
+    assert "data_dependent='sample'" not in str(info.value)

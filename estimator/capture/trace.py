@@ -144,7 +144,7 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         return dataclasses.replace(raw, reads_values=raw.reads_values or ran)
     except datadep.NeedsProbe as exc:
         if spec.data_dependent.observed or spec.data_dependent.values:
-            raise _unreached(exc, spec.data_dependent) from None
+            raise _unreached(exc, spec.data_dependent, spec) from None
         try:
             probed = _probed(model, probe_sample, spec)
         except InputError:
@@ -159,7 +159,7 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
         return dataclasses.replace(raw, reads_values=True)
     except datadep.NeedsProbe as exc:
-        raise _unreached(exc, probed) from None
+        raise _unreached(exc, probed, spec) from None
 
 
 def _at(exc: BaseException) -> str:
@@ -167,7 +167,13 @@ def _at(exc: BaseException) -> str:
     return f"{exc}{f' (at {where})' if where else ''}"
 
 
-def _unreached(exc: datadep.NeedsProbe, policy: Policy) -> CaptureError:
+def _unreached(exc: datadep.NeedsProbe, policy: Policy, spec: StepSpec) -> CaptureError:
+    if spec.strategy.mesh:  # the probe runs the model as you built it, in this process, before any parallelize
+        return CaptureError(
+            f"{_at(exc)}: under Strategy(mesh=) the probe runs your model unparallelized in this process, so a value "
+            "that only the parallelized step reads cannot be probed; where it comes from the other ranks (expert "
+            "parallelism's token counts, exchanged by an all-to-all: a collective on fxmem's fake process group "
+            "carries no values) no single-process run can give it: that step is not estimable yet")
     hint = ("; sizes at their bound change which values a step reads (a loop over the experts a router chose): "
             "data_dependent='sample' captures the program the sample runs" if not policy.needs_probe else "")
     return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it{hint}")
