@@ -502,6 +502,9 @@ def test_roles_follow_each_tensors_own_mesh():
         other = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))  # 3 rows over 4: 1, 1, 1, 0
         model.weight = nn.Parameter(distribute_tensor(torch.empty(3, 1), other, [Shard(0)]))
         assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 1, 2), (3,))
+        flat = mesh["dp", "tp"]._flatten("dp_tp")  # torchtitan's flattened dims: the same ranks in row-major order
+        model.weight = nn.Parameter(distribute_tensor(torch.empty(3, 1), flat, [Shard(0)]))
+        assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 1, 2), (3,))
 
 
 def test_expert_parallel_token_dispatch_is_refused_by_name():

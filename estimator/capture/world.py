@@ -299,14 +299,20 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
 
 
 def _mesh_coordinate(mesh, rank: int) -> list[int]:
-    """``rank``'s coordinate on ``mesh``: its index along each dim of the root mesh ``mesh`` was cut
-    from (``init_device_mesh`` lays the world's ranks out row-major), kept for ``mesh``'s dims."""
-    root = mesh._get_root_mesh()
-    full = _coordinate(rank, list(root.shape))
-    if root is mesh:
-        return list(full)
-    names = root.mesh_dim_names
-    return [full[names.index(name)] for name in mesh.mesh_dim_names]
+    """``rank``'s coordinate on ``mesh`` (its local rank along each dim), from the mesh's layout over
+    the world's ranks (``DeviceMesh._layout``: per dim the sizes and strides of the ranks it spans,
+    the first the most significant, as ``_flatten`` orders a flattened dim's ranks; the strides
+    index ``_rank_map``, the world's ranks in ``init_device_mesh``'s row-major order)."""
+    position = rank if torch.equal(mesh._rank_map, torch.arange(mesh._rank_map.numel(), dtype=mesh._rank_map.dtype)) \
+        else int((mesh._rank_map == rank).nonzero()[0, 0])
+    coordinate = []
+    for axis in mesh._layout:
+        shape, stride = (axis.shape, axis.stride) if isinstance(axis.shape, tuple) else ((axis.shape,), (axis.stride,))
+        index = 0
+        for size, step in zip(shape, stride):
+            index = index * size + position // step % size
+        coordinate.append(index)
+    return coordinate
 
 
 def role_name(mesh: tuple[tuple[str, int], ...], ranks: tuple[int, ...]) -> str:
