@@ -161,7 +161,12 @@ def pages() -> list[Page]:
             "checkpointing policies run as written; each rank's DTensor shards, FSDP2's all-gather and "
             "reduce-scatter buffers and unsharded copies are recorded as they are allocated, and gloo's "
             "buffers around each collective are added on the CPU target. Ranks whose shards have the same "
-            "shapes run the same program: one capture each. Example functions: `models_zoo/parallelize.py`.",
+            "shapes run the same program: one capture each. Blocks the function `torch.compile`s are compiled "
+            "regions, each batch size its own static program as in the real loop; torchao's float8 linears "
+            "(rowwise, tensorwise with FSDP2's float8 all-gather) run as written (torchtitan's job, "
+            "`validators/torchtitan.py`). Not estimable yet: expert parallelism that moves tokens between ranks "
+            "(its all-to-all's split sizes come from the other ranks' routing; refused by name). Example "
+            "functions: `models_zoo/parallelize.py`.",
             "```python\nfrom models_zoo import parallelize\n"
             "estimator.report(model, sample, strategy=estimator.Strategy(mesh={\"dp_shard\": 8},\n"
             "                                                            parallelize=parallelize.fsdp))\n```\n"
