@@ -287,32 +287,37 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    layouts = {(tuple(t.shape), tuple(t.placements), t.device_mesh)
-               for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
+    found = {(tuple(t.shape), tuple(t.placements), t.device_mesh)
+             for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
+    layouts = sorted(found, key=repr)
+    world = math.prod(size for _, size in mesh)
+    coordinates = {on: _mesh_coordinates(on, world) for _, _, on in layouts}
     groups: dict[tuple, list[int]] = {}
-    for rank in range(math.prod(size for _, size in mesh)):
-        local = tuple(_compute_local_shape_and_global_offset(shape, tuple(on.shape), _mesh_coordinate(on, rank),
+    for rank in range(world):
+        local = tuple(_compute_local_shape_and_global_offset(shape, tuple(on.shape), coordinates[on][rank],
                                                              placements, skip_offset=True)[0]
-                      for shape, placements, on in sorted(layouts, key=repr))
+                      for shape, placements, on in layouts)
         groups.setdefault(local, []).append(rank)
     return tuple(tuple(ranks) for ranks in groups.values())
 
 
-def _mesh_coordinate(mesh, rank: int) -> list[int]:
-    """``rank``'s coordinate on ``mesh`` (its local rank along each dim), from the mesh's layout over
-    the world's ranks (``DeviceMesh._layout``: per dim the sizes and strides of the ranks it spans,
-    the first the most significant, as ``_flatten`` orders a flattened dim's ranks; the strides
-    index ``_rank_map``, the world's ranks in ``init_device_mesh``'s row-major order)."""
-    position = rank if torch.equal(mesh._rank_map, torch.arange(mesh._rank_map.numel(), dtype=mesh._rank_map.dtype)) \
-        else int((mesh._rank_map == rank).nonzero()[0, 0])
-    coordinate = []
-    for axis in mesh._layout:
-        shape, stride = (axis.shape, axis.stride) if isinstance(axis.shape, tuple) else ((axis.shape,), (axis.stride,))
-        index = 0
-        for size, step in zip(shape, stride):
-            index = index * size + position // step % size
-        coordinate.append(index)
-    return coordinate
+def _mesh_coordinates(mesh, world: int) -> list[list[int]]:
+    """Each rank's coordinate on ``mesh`` (its local rank along each dim), from the mesh's layout
+    over the world's ranks (``DeviceMesh._layout``: per dim the sizes and strides of the ranks it
+    spans, the first the most significant, as ``_flatten`` orders a flattened dim's ranks; the
+    strides index ``_rank_map``, the world's ranks in ``init_device_mesh``'s order)."""
+    position = {rank: i for i, rank in enumerate(mesh._rank_map.tolist())}
+    axes = [(a.shape, a.stride) if isinstance(a.shape, tuple) else ((a.shape,), (a.stride,)) for a in mesh._layout]
+    found = []
+    for rank in range(world):
+        coordinate = []
+        for shape, stride in axes:
+            index = 0
+            for size, step in zip(shape, stride):
+                index = index * size + position[rank] // step % size
+            coordinate.append(index)
+        found.append(coordinate)
+    return found
 
 
 def role_name(mesh: tuple[tuple[str, int], ...], ranks: tuple[int, ...]) -> str:
