@@ -438,15 +438,15 @@ class Tracker(TorchDispatchMode):
         offset (``torch.cuda.get_rng_state()``), host memory, not recorded."""
         save = func is _RUN_AND_SAVE_RNG_STATE
         op, rest = (args[0], args[1:]) if save else (args[1], args[2:])
-        state = torch.get_rng_state()
+        state = torch.get_rng_state() if save else None  # a real host tensor: its size is this torch's
         _push_mode(self)
         try:
-            if save and not self.spec.is_cuda:  # rng_prims.py's CPU impl: the state first, then the op
+            if state is not None and not self.spec.is_cuda:  # rng_prims.py's CPU impl: the state first, then the op
                 state = torch.empty(state.shape, dtype=state.dtype)
             out = op(*rest, **kwargs)
         finally:
             _pop_mode()
-        return (state, out) if save else out
+        return out if state is None else (state, out)
 
     # -- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
