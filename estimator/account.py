@@ -91,6 +91,18 @@ class Timeline:
         """Every candidate peak with its (op index, scratch index); the baseline if no op ran."""
         return list(self._candidates)
 
+    def peak_at(self, b: int) -> tuple[int, int]:
+        """The (op index, scratch index) of the largest candidate at batch size ``b`` (the first of
+        equal ones); every byte count a polynomial in ``b`` alone."""
+        found = self._peaks.get(b)
+        if found is None:
+            found = self._peaks[b] = max(self._candidates, key=lambda c: c[0](b))[1]
+        return found
+
+    @functools.cached_property
+    def _peaks(self) -> dict[int, tuple[int, int]]:  # peak_at's answers (a report asks several times)
+        return {}
+
     @functools.cached_property
     def _candidates(self) -> tuple[tuple[Poly, tuple[int, int]], ...]:  # a report asks several times
         found = tuple((poly, (i, k)) for i, op in enumerate(self.ops) for k, poly in enumerate(op.peaks()))

@@ -235,6 +235,15 @@ def map_originals(model: nn.Module, memo: dict[int, Any]) -> None:
             memo[id(original)] = memo[id(twin)]
 
 
+def _copied(item: OpEvent | Storage, **changes) -> OpEvent | Storage:
+    """``dataclasses.replace`` of an op or a storage (plain dataclasses, their ``__init__`` checks
+    nothing) without calling ``__init__``: the extension makes one per built op, a million for a
+    long ``generate()``."""
+    new = object.__new__(type(item))
+    new.__dict__.update(item.__dict__, **changes)
+    return new
+
+
 def extend(raw: RawCapture, plan_: Plan) -> RawCapture:
     """The capture of the real model from ``raw``, the shallow one's (see the module);
     ``NotRepeating`` where the proof fails."""
@@ -274,6 +283,7 @@ class _Extension:
                  for sid, s in raw.storages.items()}
         self.op_pos = self._op_positions(named)
         self.store_pos: dict[int, int | None] = {}
+        self._names: dict[tuple, str | None] = {}  # _renamed's answers
         for sid, s in raw.storages.items():
             pos = named[sid]
             self.store_pos[sid] = pos if pos is not None or s.op < 0 else self.op_pos[s.op]
@@ -363,12 +373,18 @@ class _Extension:
 
     def _renamed(self, name: str | None, pos: int, real: int, anywhere: bool = False) -> str | None:
         """``name`` of position ``pos`` as the real unit ``real`` names it (a neighbour's follows)."""
+        key = (name, pos, real, anywhere)
+        if key in self._names:  # each template name, once per built unit (and decode step)
+            return self._names[key]
         found = self._find(name, anywhere)
         if found is None:
-            return name
-        match, unit, offset = found
-        target = real + self.pos_of_unit[unit] - pos
-        return f"{name[:match.start(1)]}{self.plan.block(target, offset)}{name[match.end():]}"
+            renamed = name
+        else:
+            match, unit, offset = found
+            target = real + self.pos_of_unit[unit] - pos
+            renamed = f"{name[:match.start(1)]}{self.plan.block(target, offset)}{name[match.end():]}"
+        self._names[key] = renamed
+        return renamed
 
     def _ref(self, sid: int, pos: int | None) -> _Ref:
         spos = self.store_pos.get(sid)
@@ -573,11 +589,11 @@ class _Extension:
                 reads = listed(list(op.reads), label_sid, lambda sid, r: resolve(_Ref(0, self.keys[sid]), r),
                                f"the list {op.name} reads")
                 for sid in allocs:
-                    new_storages[sid] = made[sid] if sid in made else dataclasses.replace(storages[sid], op=at)
+                    new_storages[sid] = made[sid] if sid in made else _copied(storages[sid], op=at)
                 if len(reads) != len(op.reads) and op.name in _JOINS:  # a cat or stack over the units
                     (out,) = allocs
                     new_storages[out] = self._joined(new_storages[out], op, reads, new_storages)
-                out_ops.append(dataclasses.replace(op, allocs=allocs, frees=frees, reads=tuple(reads)))
+                out_ops.append(_copied(op, allocs=allocs, frees=frees, reads=tuple(reads)))
                 return
             allocs = []
             for sid in op.allocs:
@@ -586,13 +602,13 @@ class _Extension:
                     new_storages[new] = made[new]
                 else:
                     new = sid
-                    new_storages[sid] = dataclasses.replace(storages[sid], op=at)
+                    new_storages[sid] = _copied(storages[sid], op=at)
                 allocs.append(new)
             frees = freed_list(op) if wide else [resolve(self._ref(s, pos), real) for s in op.frees]
             module, owner = op.module, op.owner
             if copy_:
                 module, owner = self._renamed(module, TEMPLATE, real), self._renamed(owner, TEMPLATE, real)
-            out_ops.append(dataclasses.replace(op, allocs=allocs, frees=frees, module=module, owner=owner))
+            out_ops.append(_copied(op, allocs=allocs, frees=frees, module=module, owner=owner))
 
         for i, op in enumerate(ops):
             if i in starts:

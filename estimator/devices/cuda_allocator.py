@@ -155,11 +155,14 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if round_size_floor == size else round_size_floor + power2_division
 
 
+_NO_DIVISIONS = AllocatorConfig().roundup_power2_divisions  # the default (one tuple): 512 B multiples at every size
+
+
 def round_size(size: int, cfg: AllocatorConfig = AllocatorConfig()) -> int:
     """``round_size``: at least kMinBlockSize, then power-of-2 divisions or a 512 B multiple."""
     if size < K_MIN_BLOCK_SIZE:
         return K_MIN_BLOCK_SIZE
-    divisions = cfg.divisions_for(size)
+    divisions = 0 if cfg.roundup_power2_divisions is _NO_DIVISIONS else cfg.divisions_for(size)
     if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
         return roundup_power2_next_division(size, divisions)
     return K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE)
@@ -229,7 +232,7 @@ class _ExpandableSegment:
         return self.base + begin * self.segment_size, nbytes
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Block:
     size: int
     addr: int
@@ -328,7 +331,8 @@ class _Stat:
 
     def increase(self, amount: int) -> None:  # increase_stat
         self.current += amount
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
 
     def decrease(self, amount: int) -> None:  # decrease_stat
         self.current -= amount
@@ -389,6 +393,8 @@ class CachingAllocatorModel:
                     "the allocator at that fraction of the device's total memory: give the "
                     "model a capacity (or device_total) to size it")
             self.allowed = int(self.cfg.per_process_memory_fraction * float(self.device_total))
+        # allowed_memory_maximum.has_value() && garbage_collection_threshold() > 0
+        self._collects = self.allowed is not None and self.cfg.garbage_collection_threshold > 0.0
         self._small = _Pool(small=True)
         self._large = _Pool(small=False)
         self._live: dict[int, _Block | None] = {}
@@ -507,17 +513,13 @@ class CachingAllocatorModel:
     def _pool_of(self, block: _Block) -> _Pool:
         return self._small if block.small else self._large
 
-    def _gc_active(self) -> bool:
-        """``allowed_memory_maximum.has_value() && garbage_collection_threshold() > 0``."""
-        return self.allowed is not None and self.cfg.garbage_collection_threshold > 0.0
-
     def _malloc(self, orig_size: int, stream: int) -> _Block:
         size = round_size(orig_size, self.cfg)
         pool = self._small if size <= K_SMALL_SIZE else self._large  # get_pool
         alloc_size = get_allocation_size(size)
         block = self._get_free_block(pool, size, stream)
         if block is None:
-            if self._gc_active():
+            if self._collects:
                 self._garbage_collect_cached_blocks()
             block = self._alloc_block(pool, size, alloc_size, stream)
             if block is None and self._release_available_cached_blocks(pool, size, stream):
@@ -553,7 +555,7 @@ class CachingAllocatorModel:
         an oversize block (>= max_split_size) only serves a request >= max_split_size that is
         less than max_non_split_rounding_size smaller than it.  Ticks the pool's
         garbage-collection clock when collection is active."""
-        if self._gc_active():
+        if self._collects:
             pool.get_free_blocks_call_count += 1
         idx = pool.lower_bound(stream, size)
         block = pool.block_of(idx, stream)

@@ -18,8 +18,11 @@ come with the first backward; each cuBLAS workspace with the first matmul of its
 (``CublasHandlePool.cpp``: ``getCurrentCUDABlasHandle`` -> ``getCUDABlasLtWorkspace``).  No
 ``empty_cache()`` happens, so the segments the first step leaves shape every later one.  Steady
 steps follow until the allocator's state (``CachingAllocatorModel.snapshot``) repeats one it
-had after an earlier steady step: the steps between the two are a cycle every later step
-repeats (often of two steps: the previous output takes one of two blocks in turns).  Small
+had after an earlier step: the steps between the two are a cycle every later step repeats
+(every step runs the same ops from the second on, so a state after step k that equals the one
+after step j < k makes step k + 1 repeat step j + 1).  Often the second step already leaves the
+first one's layout (an inference step, ``generate()``); often the cycle is of two steps (the
+previous output takes one of two blocks in turns).  Small
 blocks can drift for many steps before they cycle (BERT-base: 11); the replay also stops when
 the peaks, the reserved bytes and the segments have not changed for ``STABLE`` steps, and says
 so (``Run.repeated`` False).
@@ -65,7 +68,7 @@ class Run:
 def replay_run(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: list[tuple[int, int]],
                capacity: int | None = None, device_total: int | None = None, max_steps: int = MAX_STEPS) -> Run:
     """Replay the model's load and steps of ``timeline`` at batch size ``b`` until the allocator's
-    state after a step repeats (at least three steps: the first, then two steady ones).
+    state after a step repeats (at least two steps: the first, then a steady one).
 
     ``workspaces``: ``(op index, bytes)`` of each buffer a library makes at its first use in the
     first step and holds from then on (the cuBLAS workspaces).  ``capacity`` and ``device_total``:
@@ -108,7 +111,7 @@ class _Replay:
         self.carried = [0, 0]  # bytes in ``previous`` now, and when the allocated peak was last raised
         self.returns, self.same_batch = plan.returns, False  # a new batch every step (else one, moved once)
         self.done = 0  # steps whose ops were replayed
-        self.seen: set = set()  # the allocator's state after each steady step
+        self.seen: set = set()  # the allocator's state after each step
         self.figures: list[tuple] = []  # the peaks, reserved bytes and segments after each step
         for key in plan.loaded:
             self._new(key, plan.sizes[key])
@@ -186,7 +189,7 @@ class _Replay:
                 else:
                     self.previous.append((self.handles.pop(key), plan.sizes[key]))
                     self.carried[0] += plan.sizes[key]
-            if n:
+            if n or not reset_after_first:  # (the state before an empty_cache() is no step's start)
                 snapshot = alloc.snapshot()
                 if snapshot in self.seen:  # a cycle (often of two steps: blocks the output takes in turns)
                     return Run(alloc.stats, n + 1, True, self.carried[1])

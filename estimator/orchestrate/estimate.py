@@ -193,7 +193,7 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured
     candidates = timeline.candidates()
     keep = nondominated([poly for poly, _ in candidates], captured.valid_from, captured.valid_to, captured.seq_range_lo)
     pieces = tuple(Piece.at(timeline, *candidates[i][1], fixed) for i in keep)
-    _, (peak_index, peak_k) = max(at_batch.candidates(), key=lambda c: c[0](batch))
+    peak_index, peak_k = at_batch.peak_at(batch)
     formulas = timeline if not captured.separate else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
@@ -215,7 +215,7 @@ def _generated(generation: steps.Generation, timeline: Timeline, batch: int, pro
     decoding = timeline.decoding
     if decoding is None or not decoding.calls:
         raise CaptureError("mode='generate': generate() never called the model")
-    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
+    peak, _ = timeline.peak_at(batch)
     call = max(bisect.bisect_right(decoding.calls, peak) - 1, 0)
     return Generated(generation.new_tokens, prompt, decoding.cache or "no cache", decoding.bytes_per_token,
                      decoding.tokens, call)
@@ -243,7 +243,7 @@ def _kept_output_note(timeline: Timeline, batch: int) -> list[str]:
     total = sum(nbytes(batch) for nbytes, _ in kept)
     if not total:
         return []
-    _, (peak, _) = max(timeline.candidates(), key=lambda c: c[0](batch))
+    peak, _ = timeline.peak_at(batch)
     at_peak = all(op <= peak for _, op in kept)
     where = ("part of the peak: a loop that drops the output before backward() (Hugging Face's Trainer, Lightning, "
              "torchtitan; keep_output=False) peaks up to that much lower" if at_peak else "not part of the peak")

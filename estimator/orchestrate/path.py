@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -182,17 +183,40 @@ def rounded_note(k: int, examples: tuple[str, ...] = ()) -> str:
 
 def _annotate(graph, timeline: Timeline) -> None:
     """``node.meta["fxmem"]`` for each op's node: live bytes after it (sympy, in b), bytes it
-    allocated by category, its module path and phase."""
+    allocated by category, its module path and phase (``NodeMemory``)."""
     nodes = {node.name: node for node in graph.nodes}
     for op in reversed(timeline.ops):  # an extended generate() runs a node once per step: its last run's
         node = nodes.pop(op.node, None)
         if node is not None:
-            node.meta["fxmem"] = {
-                "live": op.total.expr,
-                "allocated": {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO},
-                "module": op.module,
-                "phase": op.phase,
-            }
+            node.meta["fxmem"] = NodeMemory(op)
+
+
+class NodeMemory(Mapping):
+    """One op's memory as ``node.meta["fxmem"]`` shows it: ``"live"`` (bytes alive after it),
+    ``"allocated"`` (bytes it made, by category), ``"module"`` and ``"phase"``; the byte counts
+    become sympy expressions when read (a graph has thousands of nodes, few of them read)."""
+
+    __slots__ = ("_op",)
+    _KEYS = ("live", "allocated", "module", "phase")
+
+    def __init__(self, op) -> None:
+        self._op = op
+
+    def __getitem__(self, key: str):
+        op = self._op
+        if key == "live":
+            return op.total.expr
+        if key == "allocated":
+            return {c: p.expr for c, p in zip(CATEGORIES, op.allocated) if p != ZERO}
+        if key in ("module", "phase"):
+            return getattr(op, key)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(self._KEYS)
+
+    def __len__(self) -> int:
+        return len(self._KEYS)
 
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):

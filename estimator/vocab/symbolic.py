@@ -75,7 +75,12 @@ class Poly:
     def _plus(self, other: Poly, sign: int) -> Poly:
         """``self + sign * other`` (``sign`` is 1 or -1)."""
         a, c = self.coeffs, other.coeffs
-        if len(a) == len(c):  # the common case (byte counts c0 + c1*b): no padding, no index tests
+        n, m = len(a), len(c)
+        if n < 3 and m < 3 and not (self.mixed or other.mixed):  # the common case: byte counts c0 + c1*b
+            low = (a[0] if n else 0) + sign * (c[0] if m else 0)
+            high = (a[1] if n == 2 else 0) + sign * (c[1] if m == 2 else 0)
+            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
+        if len(a) == len(c):  # no padding, no index tests
             coeffs = tuple(map(operator.add if sign == 1 else operator.sub, a, c))
         else:
             n = max(len(a), len(c))
@@ -90,6 +95,9 @@ class Poly:
         return _make(tuple(k * x for x in self.coeffs), tuple((i, j, k * c) for i, j, c in self.mixed))
 
     def __call__(self, b: int, s: int | None = None) -> int:
+        c = self.coeffs
+        if len(c) < 3 and not self.mixed:  # the common case: c0 + c1*b
+            return (c[0] + c[1] * b) if len(c) == 2 else (c[0] if c else 0)
         value = sum(c * b**i for i, c in enumerate(self.coeffs))
         if self.mixed:
             if s is None:
