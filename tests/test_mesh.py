@@ -372,6 +372,18 @@ def test_cli_mesh_and_parallelize():
     assert "fake process group of 4 ranks" in result.output and "gloo's buffers around each collective" in result.output
     bad = CliRunner().invoke(cli, ["report", "mlp", "--device", "cpu", "-q", "--mesh", "dp_shard"])
     assert bad.exit_code != 0 and "DIM=N" in bad.output
+    alone = CliRunner().invoke(cli, ["report", "mlp", "--device", "cpu", "-q", "--mesh", "dp_shard=4"])
+    assert alone.exit_code == 2 and "give --parallelize FILE.py:FUNC" in alone.output
+    assert "MLP carries no parallel plan of its own" in alone.output
+
+
+def test_cli_mesh_alone_applies_a_transformers_models_own_plans():
+    """``--mesh`` without ``--parallelize``: the model's own plans where it carries them."""
+    from estimator.cli import options
+    from validators.strategies import _hf_llama
+
+    opts = options.options({"mesh": "dp_shard=2,tp=2"})
+    assert options.strategy(opts, _hf_llama()[0]) == Strategy(mesh={"dp_shard": 2, "tp": 2}, parallelize=own_plans)
 
 
 # -- against real gloo jobs running the same parallelize functions -------------------------------

@@ -186,7 +186,8 @@ STRATEGY_OPTIONS = [
                  help="fp32 master weights for low-precision parameters (with --dtype bf16 / fp16)."),
     click.option("--mesh", metavar="DIM=N,...",
                  help="the job's device mesh, outermost dim first (dp_shard=4,tp=2: 8 ranks), with --parallelize: "
-                      "each rank's step as your parallelize function makes it."),
+                      "each rank's step as your parallelize function makes it (without it: a transformers "
+                      "model's own tensor-parallel and FSDP plans)."),
     click.option("--parallelize", metavar="FILE.py:FUNC",
                  help="your parallelize function, FUNC(model, mesh) (fully_shard, parallelize_module, ...), run on "
                       "a fake process group of --mesh's size; also package.module:FUNC."),
@@ -205,17 +206,33 @@ BUILTIN_STEP_OPTIONS = [
 
 def strategy(opts: Options, model):
     """The ``Strategy`` of the command-line options (``--checkpoint Block``: the module type of
-    that name in ``model``)."""
+    that name in ``model``; ``--mesh`` without ``--parallelize``: a transformers model's own plans)."""
     from estimator.vocab.strategy import Strategy
 
+    mesh = parse_mesh(opts.mesh)
+    parallelize = user_function(opts.parallelize, "--parallelize", "a function parallelize(model, mesh)")
+    if mesh is not None and parallelize is None:
+        parallelize = _own_plans(model, opts.mesh)
     return Strategy(
         accumulate=opts.accumulate, checkpoint=_module_type(opts.checkpoint, model), data_parallel=opts.data_parallel,
         sharding=None if opts.zero is None else f"zero{opts.zero}", pipeline=opts.pipeline,
         microbatches=opts.microbatches, schedule=opts.schedule, master_weights=opts.master_weights,
         compile=True if opts.compile_mode == "default" else opts.compile_mode or False,
-        mesh=parse_mesh(opts.mesh), parallelize=user_function(opts.parallelize, "--parallelize",
-                                                             "a function parallelize(model, mesh)"),
+        mesh=mesh, parallelize=parallelize,
     )
+
+
+def _own_plans(model, mesh: str):
+    """``estimator.own_plans`` for a model that carries parallel plans (a transformers model's
+    ``base_model_tp_plan``), else an error saying what ``--mesh`` needs."""
+    from estimator.capture import model_plans
+    from estimator.vocab.errors import InputError
+
+    if not model_plans.carries_plans(model):
+        raise InputError(f"--mesh {mesh} runs your parallelize function on each rank: give --parallelize "
+                         f"FILE.py:FUNC (FUNC(model, mesh)); {type(model).__name__} carries no parallel plan of its "
+                         "own (a transformers model with config.base_model_tp_plan needs none)")
+    return model_plans.own_plans
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:
