@@ -519,26 +519,44 @@ def test_roles_follow_each_tensors_own_mesh():
         assert world.roles(model, (("dp", 2), ("tp", 2))) == ((0, 1, 2), (3,))
 
 
-def test_expert_parallel_token_dispatch_is_refused_by_name():
-    """transformers' expert parallelism (``DistributedConfig(ep_size=)``) sizes its token dispatch
-    by the counts an all-to-all brings from the other ranks (``.tolist()``): no single-process run
-    can give them, and the error says so rather than suggesting ``data_dependent='sample'``."""
-    import transformers
-    from transformers.distributed.configuration_utils import DistributedConfig
-    from transformers.distributed.utils import TransformersDeviceMesh
+def test_expert_parallel_matches_a_real_gloo_job_per_rank():
+    """transformers' expert parallelism (``own_plans(ep=2)``: its all-to-all token dispatch, FSDP2 on
+    the same ranks) sizes each rank's dispatch by counts it reads back (``.tolist()``): its own, from
+    its routers' indices on the sample (the probe's), and the others', from an all-to-all, taken as
+    every rank holding this rank's routing -- so here, where every rank of the job gets the same
+    batch.  The ranks receive different numbers of tokens: each is a role of its own, each exact to
+    the byte.  No optimizer: its steps between the job's would change the routing."""
+    from validators.strategies import _hf_mixtral
 
-    def expert_parallel(model, mesh):
-        from torch.distributed.device_mesh import init_device_mesh
+    fn = functools.partial(own_plans, ep=2)
+    model, sample_fn, _ = _hf_mixtral()
+    with cpu.threads(1):  # the ranks run one thread each
+        rep = estimator.report(model, sample_fn(4), batch=4, device="cpu", optimizer=None,
+                               strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))
+    assert [r.ranks for r in rep.ranks] == [(0,), (1,)]
+    assert rep.ranks[0].report.peak_bytes != rep.ranks[1].report.peak_bytes
+    assert any("came from the other ranks through collectives" in n for n in rep.notes)
+    _measured_exactly(rep, _hf_mixtral, 4, {"fsdp": 2}, fn, optimizer=None)
 
-        config = DistributedConfig(fsdp_size=2, ep_size=2)
-        dense = init_device_mesh("cpu", (1, 1, 2, 1), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-        experts = init_device_mesh("cpu", (1, 1, 1, 2), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-        type(model).maybe_distribute_model(model, config, TransformersDeviceMesh(dense, experts))
 
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
-    ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(estimator.CaptureError, match="comes from the other ranks") as info:
-        estimator.report(transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}, batch=2,
-                         device="cpu", strategy=Strategy(mesh={"fsdp": 2}, parallelize=expert_parallel))
-    assert "data_dependent='sample'" not in str(info.value)
+def test_collectives_give_the_values_of_ranks_that_all_hold_this_ranks():
+    """A collective's result as a shadow (``capture/shadows.py``): rank 1 of 4, every rank holding
+    ``x``."""
+    from estimator.capture import shadows, world
+
+    x = torch.arange(8)
+    with world.joined((("dp", 4),), 1):
+        group = {"group_name": dist.group.WORLD.group_name}
+
+        def exchanged(name, **bound):
+            (out,) = shadows._exchanged(name, {**bound, **group}, lambda t: t)
+            return out.tolist()
+
+        assert exchanged("all_reduce", input=x, reduce_op="sum") == [4 * v for v in range(8)]
+        assert exchanged("all_reduce", input=x, reduce_op="max") == list(range(8))
+        assert exchanged("all_gather_into_tensor", input=x[:2], group_size=4) == [0, 1] * 4
+        assert exchanged("reduce_scatter_tensor", input=x, reduce_op="sum", group_size=4) == [8, 12]  # chunk 1, x 4
+        # what rank j sends rank 1 is its chunk 1: here, this rank's (splits 1, 3, 2, 2: rows 1:4)
+        assert exchanged("all_to_all_single", input=x, input_split_sizes=[1, 3, 2, 2],
+                         output_split_sizes=[3] * 4) == [1, 2, 3] * 4
+        assert shadows._exchanged("all_reduce", {"input": x, "reduce_op": "premul_sum", **group}, lambda t: t) == [None]

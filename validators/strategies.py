@@ -80,6 +80,38 @@ def _hf_llama():
     return LlamaForCausalLM(config), _token_sample, None
 
 
+class RoundRobinRouter(torch.nn.Module):
+    """A Mixtral router that sends pair ``p`` (token ``p // k``, slot ``p % k``) to expert
+    ``p % experts`` with weight ``1 / k``: the same routing at every step and on every rank."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.top_k, self.num_experts, self.weight = gate.top_k, gate.num_experts, gate.weight
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        tokens = hidden_states.shape[0]
+        index = (torch.arange(tokens * self.top_k) % self.num_experts).view(tokens, self.top_k)
+        return logits, logits.new_full((tokens, self.top_k), 1 / self.top_k) + 0 * logits[:, :self.top_k], index
+
+
+def _hf_mixtral(round_robin: bool = False):
+    """A tiny transformers ``MixtralForCausalLM`` (4 experts, top-2, its own loss from ``labels``),
+    for expert parallelism by its own plans; ``round_robin``: its routers ``RoundRobinRouter``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                           max_position_embeddings=64)
+    torch.manual_seed(0)  # every rank of a job builds the same weights (the routing follows them)
+    model = MixtralForCausalLM(config)
+    if round_robin:
+        for layer in model.model.layers:
+            layer.mlp.gate = RoundRobinRouter(layer.mlp.gate)
+    return model, _token_sample, None
+
+
 def _token_sample(batch: int) -> dict:
     ids = torch.randint(0, 128, (batch, 32), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids}
@@ -94,6 +126,8 @@ MODELS = {
     "llama": functools.partial(models_zoo.get, "llama", "debug"),
     "llama-8h": _llama_8_heads,
     "hf-llama": _hf_llama,
+    "hf-mixtral": _hf_mixtral,
+    "hf-mixtral-round-robin": functools.partial(_hf_mixtral, round_robin=True),
     "torchtitan": torchtitan.tiny,
 }
 
@@ -188,6 +222,10 @@ def meshes() -> list[Case]:
         case("mesh: FSDP 2 x TP 2 by transformers' own plans", "hf-llama", {"dp_shard": 2, "tp": 2}, own_plans),
         case("mesh: HSDP 2 x 2 by transformers' own plans", "hf-llama", {"dp_replicate": 2, "dp_shard": 2},
              own_plans),
+        case("mesh: expert parallel 2 + FSDP2 x2 by transformers' own plans, round-robin routers",
+             "hf-mixtral-round-robin", {"fsdp": 2}, functools.partial(own_plans, ep=2), batch=2),
+        case("mesh: expert parallel 2 + FSDP2 x2 by transformers' own plans, no optimizer step", "hf-mixtral",
+             {"fsdp": 2}, functools.partial(own_plans, ep=2), batch=4, optimizer=None),
         case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
         case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, **bf16)),

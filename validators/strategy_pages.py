@@ -164,9 +164,12 @@ def pages() -> list[Page]:
             "shapes run the same program: one capture each. Blocks the function `torch.compile`s are compiled "
             "regions, each batch size its own static program as in the real loop; torchao's float8 linears "
             "(rowwise, tensorwise with FSDP2's float8 all-gather) run as written (torchtitan's job, "
-            "`validators/torchtitan.py`). Not estimable yet: expert parallelism that moves tokens between ranks "
-            "(its all-to-all's split sizes come from the other ranks' routing; refused by name). Example "
-            "functions: `models_zoo/parallelize.py`.",
+            "`validators/torchtitan.py`). Expert parallelism that moves tokens between ranks "
+            "(transformers' all-to-all dispatch, `functools.partial(estimator.own_plans, ep=2)`) runs as written: "
+            "each rank's routing is its routers' on the sample (the probe's real forward, so real weights), and "
+            "what an all-to-all of the token counts brings from the other ranks is taken as every rank routing "
+            "alike (noted; ranks that receive different tokens are captured one by one). Example functions: "
+            "`models_zoo/parallelize.py`.",
             "```python\nfrom models_zoo import parallelize\n"
             "estimator.report(model, sample, strategy=estimator.Strategy(mesh={\"dp_shard\": 8},\n"
             "                                                            parallelize=parallelize.fsdp))\n```\n"

@@ -64,12 +64,14 @@ class _Sites:
     """``"<module>:<op>#<k>"`` for each call: global module hooks keep the module stack and, per
     module call, a counter per op."""
 
-    def __init__(self, module_names: Mapping[int, str]):
+    def __init__(self, module_names: Mapping[int, str], on_call: Callable[[str, tuple], None] | None = None):
         self._names = module_names
         self._stack: list[tuple[str, dict[str, int]]] = [("", {})]
+        self._calls: dict[str, int] = {}  # calls of each module so far
+        self._on_call = on_call  # (f"{module}#{k}", its positional arguments), as each module call starts
 
     def restart(self) -> None:
-        self._stack = [("", {})]
+        self._stack, self._calls = [("", {})], {}
 
     def key(self, op: str) -> str:
         module, counts = self._stack[-1]
@@ -84,7 +86,12 @@ class _Sites:
             return
 
         def enter(m, args):
-            self._stack.append((self._names.get(id(m), type(m).__name__), {}))
+            name = self._names.get(id(m), type(m).__name__)
+            self._stack.append((name, {}))
+            if self._on_call is not None:
+                k = self._calls.get(name, 0)
+                self._calls[name] = k + 1
+                self._on_call(f"{name}#{k}", args)
 
         def leave(m, args, out):
             if len(self._stack) > 1:
@@ -131,7 +138,7 @@ class DataDependent(TorchDispatchMode):
         super().__init__()
         self.policy = policy
         self.sites: dict[str, Site] = {}
-        self._sites = _Sites(module_names)
+        self._sites = _Sites(module_names, self._seed_inputs if policy.inputs else None)
         self._nnz = _PerStorage()  # a mask (storage, offset, version, shape) -> its n
         self._budget = _PerStorage()  # a one-hot tensor (or a copy of part of it) -> [ones left]
         self._distinct = _PerStorage()  # arange outputs (distinct values) -> True
@@ -139,6 +146,7 @@ class DataDependent(TorchDispatchMode):
         self.host_reads: dict[str, None] = {}  # .numpy() values the probe's real run gave (by site)
         self.shadows = Shadows()  # the real values of what follows the sample alone
         self.read_values = False  # whether a shadow or the probe gave a value or size
+        self.exchanged: dict[str, None] = {}  # values read that a collective brought (by site): shadows.py
 
     def shadow_sample(self, fsample, sample, batch_dims: tuple[int, ...] | None = None) -> None:
         """Each sample tensor as the shadow of its fake copy (``shadows.py``)."""
@@ -147,6 +155,21 @@ class DataDependent(TorchDispatchMode):
         for fake, real, dim in zip(fakes, reals, dims):
             if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and not real.is_meta:
                 self.shadows.seed(fake, real, 0 if dim is None else dim)
+
+    def _seed_inputs(self, call: str, args: tuple) -> None:
+        """A module call's integer tensor arguments that have no shadow get the probe's values for
+        the same call (``Policy.inputs``: a router's expert indices, which a parallelized step sends
+        to other ranks)."""
+        for i, a in enumerate(args):
+            real = self.policy.inputs.get(f"{call}:{i}")
+            if real is not None and isinstance(a, torch.Tensor) and self.shadows.get(a) is None:
+                self.shadows.seed(a, real)
+
+    def _known(self, key: str, t: torch.Tensor, known):
+        """``known`` (a shadow's value or count), noting a value a collective brought."""
+        if known is not None and self.shadows.is_exchanged(t):
+            self.exchanged[key] = None
+        return known
 
     def new_step(self) -> None:
         """The measured step starts: the sites of calls outside any module count from 0 again, as in
@@ -188,7 +211,7 @@ class DataDependent(TorchDispatchMode):
         ``shadows.py``)."""
         key = self._sites.key(op)
         pool = self._budget.get(mask) if mask is not None else None
-        known = self.shadows.count(mask) if mask is not None else None
+        known = self._known(key, mask, self.shadows.count(mask)) if mask is not None else None
         used, source, observed = self._choose(key, as_expr(upper), known)
         if pool is not None and source is Source.BOUND:
             left = pool[0]
@@ -264,7 +287,7 @@ class DataDependent(TorchDispatchMode):
         capture's batch), else the probe's (at the sample's), else 0.0 for a floating-point one (a
         logged loss or gradient norm: memory does not depend on it, noted), else ``NeedsProbe``."""
         key = self._sites.key(f"{_short(func)}@{_user_line()}")
-        known = self.shadows.value(args[0])
+        known = self._known(key, args[0], self.shadows.value(args[0]))
         if known is None and key in self.policy.values:
             known = self.policy.values[key]
         if known is not None:
@@ -504,12 +527,19 @@ class Probe(TorchDispatchMode):
     """Records, on real tensors, the sizes of the calls ``DataDependent`` answers and the values
     of ``.item()`` and ``.numpy()`` (``host``), by the same sites."""
 
-    def __init__(self, module_names: Mapping[int, str]):
+    def __init__(self, module_names: Mapping[int, str], inputs: bool = False):
         super().__init__()
         self.sizes: dict[str, tuple[int, int]] = {}
         self.values: dict[str, Any] = {}
-        self._sites = _Sites(module_names)
+        self.inputs: dict[str, torch.Tensor] = {}  # with ``inputs``: the modules' integer tensor arguments
+        self._sites = _Sites(module_names, self._record_inputs if inputs else None)
         self._seen = _PerStorage()  # masks already counted
+
+    def _record_inputs(self, call: str, args: tuple) -> None:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex() \
+                    and a.dtype is not torch.bool and a.numel() <= _INPUT_LIMIT:
+                self.inputs[f"{call}:{i}"] = a.detach().clone()
 
     def __enter__(self):
         _PROBES.append(self)
@@ -609,17 +639,21 @@ def refuse_meta(model: nn.Module) -> None:
         raise meta_weights("the sizes")
 
 
-def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False) -> Probe:
+_INPUT_LIMIT = 1 << 20  # elements of a module's integer argument the probe keeps (indices, not activations)
+
+
+def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False, inputs: bool = False) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
     user's whole step) recording the
     data-dependent sizes and values; the model's buffers, hooks and the RNG come back as they
     were, and the user's own forward hooks do not run (they would see real tensors the user's
     code keeps: a hook that changes a module's output changes what the probe sees, a limitation);
-    a library's hooks do (``_user_hooks_off``)."""
+    a library's hooks do (``_user_hooks_off``).  ``inputs``: also keep the integer tensors handed
+    to each module call (``Probe.inputs``)."""
     refuse_meta(model)
     names = {id(m): name for name, m in model.named_modules()}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    recorder = Probe(names)
+    recorder = Probe(names, inputs)
     try:
         with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad), _user_hooks_off(model), \
                 recorder._sites.hooks(), recorder:
@@ -644,6 +678,18 @@ def assumed_note(keys) -> tuple[str, ...]:
     return (f"{len(keys)} floating-point value(s) read with .item()/float() (at {where}) were taken as 0.0: "
             "fake tensors have no values; memory does not depend on a value that is logged or compared, but a "
             "step that branches on it may allocate otherwise",)
+
+
+def exchanged_note(keys) -> tuple[str, ...]:
+    """The note on values a collective brought from the other ranks (``shadows.py``)."""
+    if not keys:
+        return ()
+    return (f"{len(keys)} value(s) read at {_lines(keys)} came from the other ranks through collectives (an "
+            "all-to-all of expert parallelism's token counts, an all-reduce of a token count): taken as in a job "
+            "whose every rank holds this rank's values (here: routes its tokens as the sample's are routed, by "
+            "the weights as given: training moves the routing). Exact when the ranks' batches route alike; where "
+            "they differ, a rank may receive more (its experts' tokens: up to every rank's), which this does not "
+            "bound",)
 
 
 def host_note(keys) -> tuple[str, ...]:

@@ -9,8 +9,8 @@ efsdp, ep)`` (``transformers.distributed.utils.initialize_distributed_mesh``) an
 FSDP2.  ``own_plans`` is that call, as a parallelize function: ``Strategy(mesh={"dp_shard": 4,
 "tp": 2}, parallelize=own_plans)``; ``compare`` and ``plan`` propose it for a number of devices
 (``mesh_strategies``).  The mesh's dims are torchtitan's names or transformers' own:
-``dp_replicate`` (HSDP's replicas), ``dp_shard`` or ``fsdp``, ``tp``.  Pipeline and expert
-parallelism are not offered (every dim but these is refused).
+``dp_replicate`` (HSDP's replicas), ``dp_shard`` or ``fsdp``, ``tp``; expert parallelism regroups those
+ranks (``own_plans(..., ep=)``).  Pipeline parallelism is not offered (every dim but these is refused).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ def carries_plans(model: nn.Module) -> bool:
         bool(getattr(config, "base_model_tp_plan", None))
 
 
-def own_plans(model: nn.Module, mesh) -> None:
+def own_plans(model: nn.Module, mesh, ep: int = 1) -> None:
     """Tensor parallelism and FSDP2 by the model's own plans, through transformers'
     ``maybe_distribute_model`` on the meshes its ``initialize_distributed_mesh`` builds from
-    ``mesh``'s sizes (see the module)."""
+    ``mesh``'s sizes (see the module); ``ep``: an MoE's experts split over that many of the
+    FSDP x TP ranks (``DistributedConfig(ep_size=)``: its all-to-all token dispatch, ``functools.partial(
+    own_plans, ep=2)``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not callable(getattr(type(model), "maybe_distribute_model", None)):
@@ -50,8 +52,11 @@ def own_plans(model: nn.Module, mesh) -> None:
     sizes = {"dp_replicate": 1, "fsdp": 1, "tp": 1}
     for name, size in zip(names, mesh.mesh.shape):
         sizes[_DIMS[name]] *= int(size)
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or (sizes["fsdp"] * sizes["tp"]) % ep:
+        raise InputError(f"own_plans: ep={ep!r} must be a whole number that divides the FSDP x TP ranks "
+                         f"({sizes['fsdp']} x {sizes['tp']})")
     config = DistributedConfig(tp_size=sizes["tp"], fsdp_size=sizes["fsdp"],
-                               dp_replicate_size=sizes["dp_replicate"])
+                               dp_replicate_size=sizes["dp_replicate"], ep_size=ep)
     dense = init_device_mesh("cpu", (1, sizes["dp_replicate"], sizes["fsdp"], sizes["tp"]),
                              mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
     expert = init_device_mesh("cpu", (1, sizes["dp_replicate"], config.efsdp_size, config.ep_size),

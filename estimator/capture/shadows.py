@@ -15,6 +15,11 @@ Shadows are dropped where they could be wrong: an op the shadows cannot follow m
 shadowed tensor (its storage is marked stale), a random op (its values would not be the real
 run's), a shape that differs from the fake's hint (data-dependent sizes), or more than
 ``_LIMIT`` elements (the real compute and memory stay small: masks and ids, not activations).
+
+A collective (on the fake process group of ``Strategy(mesh=)``) brings the other ranks' values:
+its outputs get those of a job whose every rank holds this rank's (``_exchanged``), marked
+``exchanged`` so the capture can say so and tell the ranks apart by their place in the group.
+A module's integer arguments can be seeded too (``seed``: the probe's, for a router's indices).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 _LIMIT = 1 << 20  # elements of one shadow
+# The namespaces of collectives: ``c10d``'s in-place ops and the functional ones (``torch.distributed``'s
+# ``_functional_collectives``, ``_c10d_functional_autograd``), which a fake process group runs without values.
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 
 
 def hint(value):
@@ -57,6 +65,9 @@ class Shadows:
         self._real = WeakIdKeyDictionary()
         self._seeded = False  # any shadow given yet (an op with no shadowed input is then not looked at)
         self._stale: set[int] = set()  # fake storages written by an op the shadows did not follow
+        # fake storages whose shadows hold values a collective brought (``_exchanged``), or follow from them
+        self.exchanged: set[int] = set()
+        self.exchanged_groups: set[tuple[int, ...]] = set()  # the global ranks of those collectives' groups
 
     def __bool__(self) -> bool:
         return self._seeded
@@ -87,12 +98,14 @@ class Shadows:
         """``real`` (a sample tensor) as the shadow of its fake copy ``fake``: rows repeated along
         ``dim`` to the fake's hint where they differ."""
         shape = _hint_shape(fake)
-        if real.shape != shape and real.dim() == len(shape) and real.dim() > dim and real.shape[dim] > 0:
-            rows = torch.arange(shape[dim]) % real.shape[dim]
-            real = real.index_select(dim, rows)
-        if tuple(real.shape) == shape and real.numel() <= _LIMIT:
-            self._real[fake] = real.detach()
-            self._seeded = True
+        with _disable_current_modes():  # (a module's argument is seeded inside the capture's modes)
+            if real.shape != shape and real.dim() == len(shape) and real.dim() > dim and real.shape[dim] > 0:
+                rows = torch.arange(shape[dim]) % real.shape[dim]
+                real = real.index_select(dim, rows)
+            if tuple(real.shape) == shape and real.numel() <= _LIMIT:
+                self._real[fake] = real.detach()
+                self._stale.discard(fake.untyped_storage()._cdata)  # (a dead storage's address, reused)
+                self._seeded = True
 
     def follow(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on fake tensors: run it on the shadows where every tensor argument
@@ -100,6 +113,9 @@ class Shadows:
         operator (a compiled region's ``run_and_save_rng_state``) is not followed: it writes
         nothing it is handed."""
         if not isinstance(func, torch._ops.OpOverload):
+            return
+        if func.namespace in _COLLECTIVES:
+            self._collective(func, args, kwargs, out)
             return
         tensors = _tensors(args, kwargs)
         followed = (not tensors or all(self.get(t) is not None for t in tensors)) and self._followable(func, out)
@@ -109,6 +125,42 @@ class Shadows:
             for argument, value in zip(func._schema.arguments, args):
                 if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
                     self._stale.add(value.untyped_storage()._cdata)
+
+    def _collective(self, func, args, kwargs, out) -> None:
+        """A collective's outputs hold the other ranks' values, which no rank's shadows know.
+        Where its inputs have shadows they get the values of a job whose every rank holds this
+        rank's (``_exchanged``: a sum over ``n`` ranks is ``n`` times the value, an all-gather
+        ``n`` copies, an all-to-all ``n`` copies of the chunk this rank sends itself), and are
+        marked as such (``exchanged``); else none.  ``c10d``'s ops write into their first argument
+        (``output``, ``output_tensors``, ``tensors``) without saying so in their schemas; a
+        functional collective returns its result."""
+        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        written = bound.get(func._schema.arguments[0].name) if func.namespace == "c10d" else out
+        targets = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
+        name = func._schema.name.partition("::")[2].rstrip("_")
+        written = {id(t) for t in targets} if func.namespace == "c10d" else set()
+        inputs = [t for t in _tensors(args, kwargs) if id(t) not in written] or targets  # all_reduce: in place
+        values = None
+        if inputs and all(self.get(t) is not None for t in inputs):
+            if name in ("wait_tensor", "_wrap_tensor_autograd"):  # the same values
+                values = [self.get(inputs[0])]
+            else:
+                try:
+                    with _disable_current_modes(), torch.no_grad():
+                        values = _exchanged(name, bound, self.get)
+                except Exception:  # noqa: BLE001 -- a group or an argument this rule does not read: no shadow
+                    values = None
+        if values is None or len(values) != len(targets) or any(
+                v is None or tuple(v.shape) != _hint_shape(t) for v, t in zip(values, targets)):
+            for t in targets:
+                self._stale.add(t.untyped_storage()._cdata)
+            return
+        for t, value in zip(targets, values):
+            self._real[t] = value
+            self._stale.discard(t.untyped_storage()._cdata)
+            self.exchanged.add(t.untyped_storage()._cdata)
+        if name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            self.exchanged_groups.add(_group(bound)[2])
 
     @staticmethod
     def _followable(func, out) -> bool:
@@ -130,9 +182,79 @@ class Shadows:
         fakes, reals = tree_flatten(out)[0], tree_flatten(result)[0]
         if len(fakes) != len(reals):
             return False
+        exchanged = any(t.untyped_storage()._cdata in self.exchanged for t in _tensors(args, kwargs))
         for fake, value in zip(fakes, reals):
             if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor) \
                     and tuple(value.shape) == _hint_shape(fake):
                 self._real[fake] = value
                 self._stale.discard(fake.untyped_storage()._cdata)
+                if exchanged:
+                    self.exchanged.add(fake.untyped_storage()._cdata)
         return True
+
+    def is_exchanged(self, fake: torch.Tensor) -> bool:
+        """Whether ``fake``'s shadow holds values a collective brought (see ``_collective``)."""
+        return fake.untyped_storage()._cdata in self.exchanged
+
+
+# ``torch.distributed.ReduceOp.RedOpType``'s values (c10d's ``ReduceOp.op()``) and the functional
+# collectives' names for them
+_REDUCE = {0: "sum", 1: "avg", 2: "product", 3: "min", 4: "max", 5: "band", 6: "bor", 7: "bxor"}
+
+
+def _reduced(x: torch.Tensor, op, n: int) -> torch.Tensor | None:
+    """``op`` over ``n`` ranks that each hold ``x``."""
+    op = _REDUCE.get(op.op()) if isinstance(op, torch.ScriptObject) else str(op).lower()
+    if op == "sum":
+        return x * n
+    if op == "product":
+        return x**n
+    if op == "bxor":
+        return x if n % 2 else torch.zeros_like(x)
+    return x.clone() if op in ("avg", "min", "max", "band", "bor") else None  # premul_sum: a scale not known
+
+
+def _group(bound: dict) -> tuple[int, int, tuple[int, ...]]:
+    """(this rank's index in the collective's group, the group's size, its global ranks)."""
+    import torch.distributed as dist
+
+    if "process_group" in bound:
+        pg = dist.ProcessGroup.unbox(bound["process_group"])
+    else:
+        pg = dist.distributed_c10d._resolve_process_group(bound["group_name"])
+    return pg.rank(), pg.size(), tuple(dist.get_process_group_ranks(pg))
+
+
+def _chunk(x: torch.Tensor, splits, r: int, n: int) -> torch.Tensor:
+    """The ``r``-th of ``n`` chunks of ``x`` along dim 0 (``splits``: their sizes; empty: equal)."""
+    sizes = [hint(s) for s in splits] if splits else [x.shape[0] // n] * n
+    return x.narrow(0, sum(sizes[:r]), sizes[r])
+
+
+def _exchanged(name: str, bound: dict, shadow) -> list[torch.Tensor] | None:
+    """The outputs of the collective ``name`` (c10d's or a functional one) in a job whose every
+    rank holds this rank's inputs: from ``shadow`` of its inputs; None where the rule is not known
+    or an input has no shadow."""
+    r, n, _ = _group(bound)
+    if name == "allreduce":
+        reals = [shadow(t) for t in bound["tensors"]]
+        return None if None in reals else [_reduced(x, bound["reduce_op"], n) for x in reals]
+    if name == "broadcast" and "tensors" in bound:  # the root holds what this rank holds
+        reals = [shadow(t) for t in bound["tensors"]]
+        return None if None in reals else [x.clone() for x in reals]
+    if name in ("broadcast", "all_reduce"):
+        x = shadow(bound["input"])
+        return None if x is None else [x.clone() if name == "broadcast" else _reduced(x, bound["reduce_op"], n)]
+    if name in ("_allgather_base", "all_gather_into_tensor"):
+        x = shadow(bound.get("input_tensor", bound.get("input")))
+        return None if x is None else [torch.cat([x] * n)]
+    if name == "allgather":
+        x = shadow(bound["input_tensors"][0]) if len(bound["input_tensors"]) == 1 else None
+        return None if x is None else [x.clone() for _ in bound["output_tensors"][0]]
+    if name in ("_reduce_scatter_base", "reduce_scatter_tensor"):
+        x = shadow(bound.get("input_tensor", bound.get("input")))
+        return None if x is None else [_reduced(_chunk(x, (), r, n), bound["reduce_op"], n)]
+    if name in ("alltoall_base", "all_to_all_single"):
+        x = shadow(bound["input"])
+        return None if x is None else [torch.cat([_chunk(x, bound["input_split_sizes"], r, n)] * n)]
+    return None

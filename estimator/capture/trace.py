@@ -130,7 +130,9 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     # A one-row sample is captured with b hinted at 2 (sizes 0 and 1 specialize): code that reads
     # values only for several rows (generate()'s right-padding check) reads them in the capture,
     # so the probe runs on the sample's row twice, as a real run at b = 2 on such rows would.
-    cycled = symbolic or has_row_lists(spec.batch_dims)
+    # On a mesh the probe's module inputs (a router's indices) become the capture's shadows: the
+    # same rows at every size (datadep.DataDependent._seed_inputs).
+    cycled = symbolic or has_row_lists(spec.batch_dims) or spec.strategy.mesh is not None
     probe_sample = _with_rows(sample, batch, spec.batch_dims) if cycled else sample
     ran = False  # whether the probe ran
     if policy.needs_probe:
@@ -170,10 +172,10 @@ def _at(exc: BaseException) -> str:
 def _unreached(exc: datadep.NeedsProbe, policy: Policy, spec: StepSpec) -> CaptureError:
     if spec.strategy.mesh:  # the probe runs the model as you built it, in this process, before any parallelize
         return CaptureError(
-            f"{_at(exc)}: under Strategy(mesh=) the probe runs your model unparallelized in this process, so a value "
-            "that only the parallelized step reads cannot be probed; where it comes from the other ranks (expert "
-            "parallelism's token counts, exchanged by an all-to-all: a collective on fxmem's fake process group "
-            "carries no values) no single-process run can give it: that step is not estimable yet")
+            f"{_at(exc)}: under Strategy(mesh=) the probe runs your model unparallelized in this process; the "
+            "parallelized step's values follow from the integer tensors its modules were handed there (a router's "
+            "expert indices) and from collectives as if every rank held this rank's values (an all-to-all of token "
+            "counts), and this one follows from neither: that step is not estimable yet")
     hint = ("; sizes at their bound change which values a step reads (a loop over the experts a router chose): "
             "data_dependent='sample' captures the program the sample runs" if not policy.needs_probe else "")
     return CaptureError(f"{_at(exc)}, but the probe on the sample did not reach it{hint}")
@@ -247,10 +249,11 @@ def _probed(model: nn.Module, sample: Any, spec: StepSpec) -> Policy:
 
     try:
         with Watchdog(), isolation.errors_named(False), corrections.capture_contexts(spec.target):
-            found = datadep.probe(target, sample, forward, grad=spec.step is not None)
+            found = datadep.probe(target, sample, forward, grad=spec.step is not None,
+                                  inputs=spec.strategy.mesh is not None)
     finally:
         model.train(training)
-    return dataclasses.replace(spec.data_dependent, observed=found.sizes, values=found.values)
+    return dataclasses.replace(spec.data_dependent, observed=found.sizes, values=found.values, inputs=found.inputs)
 
 
 def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
@@ -382,7 +385,9 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
     notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
     notes += (offload.notes() if offload else ()) + phases.host_note(phases.host_state(spec, optimizers))
-    notes += datadep.host_note(dd.host_reads)
+    notes += datadep.host_note(dd.host_reads) + datadep.exchanged_note(dd.exchanged)
+    if dd.exchanged:  # what a rank receives follows its place in the groups whose values it read
+        roles = world.split_roles(roles, dd.shadows.exchanged_groups, fmodel, spec.strategy.mesh)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
         notes += ("mode='train', but your step ran no backward (no backward() or torch.autograd.grad()): "
                   "estimated as it ran, without gradients; if your real step backpropagates, check that the step "

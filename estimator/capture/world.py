@@ -301,6 +301,35 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     return tuple(tuple(ranks) for ranks in groups.values())
 
 
+def split_roles(roles: tuple[tuple[int, ...], ...], groups, model: nn.Module,
+                mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
+    """``roles`` split by each rank's place in the collectives' ``groups`` (this rank's, as tuples
+    of global ranks) whose values the step read: what it receives follows that place.  A group is
+    a dim of a mesh the model's DTensors are on (expert parallelism's ``ep``): every rank's place
+    is its coordinate along that dim; for a group no such dim gives, a rank outside it is a role of
+    its own."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    world = math.prod(size for _, size in mesh)
+    meshes = {t.device_mesh for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
+    dims = {tuple(dist.get_process_group_ranks(on.get_group(d))): (on, d)
+            for on in sorted(meshes, key=repr) for d in range(on.ndim)}
+    places: dict[int, list] = {rank: [] for ranks in roles for rank in ranks}
+    for group in sorted(groups):
+        on, d = dims.get(group, (None, None))
+        coordinates = None if on is None else _mesh_coordinates(on, world)
+        for rank, place in places.items():
+            place.append(coordinates[rank][d] if coordinates else group.index(rank) if rank in group else -1 - rank)
+    out: list[tuple[int, ...]] = []
+    for ranks in roles:
+        split: dict[tuple, list[int]] = {}
+        for rank in ranks:
+            split.setdefault(tuple(places[rank]), []).append(rank)
+        out.extend(tuple(r) for r in split.values())
+    return tuple(out)
+
+
 def _mesh_coordinates(mesh, world: int) -> list[list[int]]:
     """Each rank's coordinate on ``mesh`` (its local rank along each dim), from the mesh's layout
     over the world's ranks (``DeviceMesh._layout``: per dim the sizes and strides of the ranks it

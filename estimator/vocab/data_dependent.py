@@ -37,13 +37,17 @@ class Policy:
     """``report(data_dependent=...)``, checked: a default for every site and per-site values.
 
     ``observed``: the probe's sizes by site (``"sample"``), with the bound each had on the
-    sample; ``values``: the probe's scalars by site (``.item()``).
+    sample; ``values``: the probe's scalars by site (``.item()``); ``inputs``: its modules' integer
+    tensor arguments.
     """
 
     default: str | float = MAX
     sites: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     observed: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # site -> (n, upper)
     values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # the probe's integer tensors handed to modules, by call ("<module>#<k>:<argument>"): a router's
+    # expert indices, which a step parallelized over a mesh exchanges (``datadep.Probe``)
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # the probe could not run (the weights are on the meta device): "sample" sizes the sample's own
     # values do not fix are refused (``meta_weights``)
     unprobed: bool = False
