@@ -135,10 +135,11 @@ class Shadows:
         (``output``, ``output_tensors``, ``tensors``) without saying so in their schemas; a
         functional collective returns its result."""
         bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
-        written = bound.get(func._schema.arguments[0].name) if func.namespace == "c10d" else out
-        targets = [t for t in tree_flatten(written)[0] if isinstance(t, torch.Tensor)]
+        in_place = func.namespace == "c10d"
+        targets = [t for t in tree_flatten(bound.get(func._schema.arguments[0].name) if in_place else out)[0]
+                   if isinstance(t, torch.Tensor)]
         name = func._schema.name.partition("::")[2].rstrip("_")
-        written = {id(t) for t in targets} if func.namespace == "c10d" else set()
+        written = {id(t) for t in targets} if in_place else set()
         inputs = [t for t in _tensors(args, kwargs) if id(t) not in written] or targets  # all_reduce: in place
         values = None
         if inputs and all(self.get(t) is not None for t in inputs):
