@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimator.capture import compiled, watchdog
-from estimator.capture.shadows import Shadows
+from estimator.capture.shadows import LIMIT, Shadows
 from estimator.corrections.data_sizes import ACTIVE, OBSERVERS, inside_kernel  # the seam corrections read
 from estimator.vocab.data_dependent import SAMPLE, Policy, Site, Source
 from estimator.vocab.errors import CaptureError, InputError
@@ -538,7 +538,7 @@ class Probe(TorchDispatchMode):
     def _record_inputs(self, call: str, args: tuple) -> None:
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex() \
-                    and a.dtype is not torch.bool and a.numel() <= _INPUT_LIMIT:
+                    and a.dtype is not torch.bool and a.numel() <= LIMIT:
                 self.inputs[f"{call}:{i}"] = a.detach().clone()
 
     def __enter__(self):
@@ -637,9 +637,6 @@ def refuse_meta(model: nn.Module) -> None:
     """``meta_weights`` where ``model`` has tensors on the meta device: no real run of it."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise meta_weights("the sizes")
-
-
-_INPUT_LIMIT = 1 << 20  # elements of a module's integer argument the probe keeps (indices, not activations)
 
 
 def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False, inputs: bool = False) -> Probe:

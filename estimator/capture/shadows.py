@@ -14,7 +14,7 @@ is known (``tracing.py``).
 Shadows are dropped where they could be wrong: an op the shadows cannot follow mutates a
 shadowed tensor (its storage is marked stale), a random op (its values would not be the real
 run's), a shape that differs from the fake's hint (data-dependent sizes), or more than
-``_LIMIT`` elements (the real compute and memory stay small: masks and ids, not activations).
+``LIMIT`` elements (the real compute and memory stay small: masks and ids, not activations).
 
 A collective (on the fake process group of ``Strategy(mesh=)``) brings the other ranks' values:
 its outputs get those of a job whose every rank holds this rank's (``_exchanged``), marked
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-_LIMIT = 1 << 20  # elements of one shadow
+LIMIT = 1 << 20  # elements of one shadow (and of a module argument the probe keeps to seed one)
 # The namespaces of collectives: ``c10d``'s in-place ops and the functional ones (``torch.distributed``'s
 # ``_functional_collectives``, ``_c10d_functional_autograd``), which a fake process group runs without values.
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -102,7 +102,7 @@ class Shadows:
             if real.shape != shape and real.dim() == len(shape) and real.dim() > dim and real.shape[dim] > 0:
                 rows = torch.arange(shape[dim]) % real.shape[dim]
                 real = real.index_select(dim, rows)
-            if tuple(real.shape) == shape and real.numel() <= _LIMIT:
+            if tuple(real.shape) == shape and real.numel() <= LIMIT:
                 self._real[fake] = real.detach()
                 self._stale.discard(fake.untyped_storage()._cdata)  # (a dead storage's address, reused)
                 self._seeded = True
@@ -168,7 +168,7 @@ class Shadows:
         if torch.Tag.nondeterministic_seeded in func.tags:
             return False
         outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        return bool(outs) and all(isinstance(n, int) and n <= _LIMIT for n in (hint(t.numel()) for t in outs))
+        return bool(outs) and all(isinstance(n, int) and n <= LIMIT for n in (hint(t.numel()) for t in outs))
 
     def _run(self, func, args, kwargs, out) -> bool:
         def real(x):
