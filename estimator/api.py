@@ -115,7 +115,11 @@ def report(
             real forward of the model (real weights needed) on ``sample``, scaled per batch row; a
             fraction of the upper bound; or ``{site: n | fraction | "max" | "sample", "*": default}``
             per call site (the notes name each site: ``"<module>:<op>#<k>"``).  Where the step needs
-            a data-dependent *value* (``.item()``, ``if tensor:``) the real forward gives it.
+            a data-dependent *value* (``.item()``, ``if tensor:``) the real forward gives it; where
+            that value follows an MoE router's picks (expert parallelism's token counts) and the
+            weights are on the meta device, the picks are taken at their bound (every token to the
+            same experts: the first rank's receive every rank's tokens), or spread evenly with
+            ``"balanced"`` (``"max"`` for the sizes, and no real forward even with real weights).
         batch_dims: the batch dimension of the sample's tensors when it is not dim 0, addressed as
             ``dynamic`` is: a plain int for every tensor (``batch_dims=1`` for a sequence-first
             ``(seq, batch, d)`` sample of ``nn.LSTM``/``nn.GRU``/``nn.Transformer*`` with

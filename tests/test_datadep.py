@@ -119,10 +119,23 @@ def test_per_site_numbers_and_unknown_sites():
         estimator.report(Gather(), (x, mask), mode="inference", data_dependent={":nonzero#9": 10}, device="cpu")
 
 
-@pytest.mark.parametrize("bad", ["most", 1.5, 0.0, -3, True, {"x": -1}])
+@pytest.mark.parametrize("bad", ["most", 1.5, 0.0, -3, True, {"x": -1}, {"x": "balanced"}])
 def test_bad_policies_are_input_errors(bad):
     with pytest.raises(InputError, match="data_dependent"):
         Policy.of(bad)
+
+
+def test_balanced_is_the_bound_for_sizes_and_even_routing():
+    """``"balanced"`` (also as the ``"*"`` default, the command line's form) keeps the sizes at their
+    bound and assumes a router's picks spread evenly (``capture/routing.py``)."""
+    from estimator.cli.options import data_dependent
+    from estimator.vocab.data_dependent import Routing
+
+    for given in ("balanced", "Balanced", {"*": "balanced", ":nonzero#0": 3}, data_dependent(("balanced",))):
+        policy = Policy.of(given)
+        assert (policy.default, policy.routing, policy.needs_probe) == ("max", Routing.BALANCED, False)
+    assert Policy.of({"*": "balanced", ":nonzero#0": 3}).sites == {":nonzero#0": 3}
+    assert Policy.of("max").routing is None
 
 
 def test_item_in_forward_uses_the_real_sample():

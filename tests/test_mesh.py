@@ -560,3 +560,39 @@ def test_collectives_give_the_values_of_ranks_that_all_hold_this_ranks():
         assert exchanged("all_to_all_single", input=x, input_split_sizes=[1, 3, 2, 2],
                          output_split_sizes=[3] * 4) == [1, 2, 3] * 4
         assert shadows._exchanged("all_reduce", {"input": x, "reduce_op": "premul_sum", **group}, lambda t: t) == [None]
+
+
+def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
+    """A MoE on the meta device has no routing, and expert parallelism reads counts that follow it:
+    its routers' ``torch.topk`` picks are assumed (``capture/routing.py``), by default at their bound
+    (every token to experts 0, 1: rank 0 receives both ranks' tokens, rank 1 none), with
+    ``data_dependent="balanced"`` spread evenly (the ranks alike).  ``PatternRouter`` ranks the
+    experts so that ``torch.topk`` picks the same: for the bound, that model with real weights (its
+    routing from a real forward, the probe) gives the same peaks per rank, byte for byte.
+    ``validators.strategies`` measures both as real gloo jobs: exact."""
+    from estimator.capture.routing import picks
+    from estimator.vocab.data_dependent import Routing
+    from validators.strategies import PatternRouter, _hf_mixtral
+
+    # 3 tokens, top-2 of 4 experts: pair p = 2 t + j to expert p mod 4; or experts 0, 1 for all
+    assert picks((3, 2), -1, 4, Routing.BALANCED).tolist() == [[0, 1], [2, 3], [0, 1]]
+    assert picks((3, 2), 1, 4, Routing.FIRST).tolist() == [[0, 1]] * 3
+    gate = nn.Module()
+    gate.top_k, gate.num_experts, gate.weight = 2, 4, nn.Parameter(torch.randn(4, 8))
+    for routing in Routing:
+        chosen = PatternRouter(gate, routing is Routing.BALANCED)(torch.randn(5, 8))[2]
+        assert torch.equal(chosen, picks((5, 2), -1, 4, routing))
+
+    fn = functools.partial(own_plans, ep=2)
+    peaks = {}
+    for router, policy in (("first", "max"), ("balanced", "balanced")):
+        with torch.device("meta"):
+            meta, sample_fn, _ = _hf_mixtral(router, layers=1)
+        rep = estimator.report(meta, sample_fn(2), batch=2, device="cpu", optimizer=None, data_dependent=policy,
+                               strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))
+        assert any("follow the experts an MoE router picks" in n for n in rep.notes)
+        peaks[router] = _per_rank(rep)
+    real = estimator.report(_hf_mixtral("first", layers=1)[0], sample_fn(2), batch=2, device="cpu", optimizer=None,
+                            strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))
+    assert _per_rank(real) == peaks["first"]
+    assert peaks["first"][0] > peaks["balanced"][0] == peaks["balanced"][1] > peaks["first"][1]

@@ -18,6 +18,7 @@ docs/validation-strategies.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -60,6 +61,10 @@ class Case:
     batch: int
     harness: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    # predicted from the model built on the meta device (no weights: its routers' picks assumed, by
+    # ``data_dependent``), measured with real weights
+    on_meta: bool = False
+    data_dependent: str = "max"
 
 
 def _llama_8_heads():
@@ -96,19 +101,44 @@ class RoundRobinRouter(torch.nn.Module):
         return logits, logits.new_full((tokens, self.top_k), 1 / self.top_k) + 0 * logits[:, :self.top_k], index
 
 
-def _hf_mixtral(round_robin: bool = False):
+class PatternRouter(torch.nn.Module):
+    """A Mixtral router (its linear, softmax, ``torch.topk`` and weights) whose scores rank the
+    experts in a fixed pattern, so that ``torch.topk`` picks what ``estimator.capture.routing``
+    assumes for a router on the meta device: ``balanced``, pair ``p`` (token ``p // k``, slot
+    ``p % k``) to expert ``p % E``; else every token to experts ``0 … k-1``."""
+
+    def __init__(self, gate, balanced: bool):
+        super().__init__()
+        self.top_k, self.num_experts, self.weight, self.balanced = gate.top_k, gate.num_experts, gate.weight, balanced
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+        experts = torch.arange(self.num_experts, device=probs.device)
+        place = experts - self.top_k * torch.arange(probs.shape[0], device=probs.device)[:, None] \
+            if self.balanced else experts.expand_as(probs)
+        _, index = torch.topk(0 * probs - place.remainder(self.num_experts), self.top_k, dim=-1)
+        weights = probs.gather(-1, index)
+        return logits, weights / weights.sum(dim=-1, keepdim=True), index
+
+
+def _hf_mixtral(router: str | None = None, layers: int = 2):
     """A tiny transformers ``MixtralForCausalLM`` (4 experts, top-2, its own loss from ``labels``),
-    for expert parallelism by its own plans; ``round_robin``: its routers ``RoundRobinRouter``."""
+    for expert parallelism by its own plans; ``router``: ``"round-robin"`` (``RoundRobinRouter``),
+    ``"balanced"`` or ``"first"`` (``PatternRouter``), else its own.  Built on the current device
+    (the meta device: ``Case.on_meta``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
                            max_position_embeddings=64)
     torch.manual_seed(0)  # every rank of a job builds the same weights (the routing follows them)
     model = MixtralForCausalLM(config)
-    if round_robin:
-        for layer in model.model.layers:
-            layer.mlp.gate = RoundRobinRouter(layer.mlp.gate)
+    for layer in model.model.layers if router else ():
+        gate = layer.mlp.gate
+        balanced = router == "balanced"
+        layer.mlp.gate = RoundRobinRouter(gate) if router == "round-robin" else PatternRouter(gate, balanced)
     return model, _token_sample, None
 
 
@@ -127,7 +157,9 @@ MODELS = {
     "llama-8h": _llama_8_heads,
     "hf-llama": _hf_llama,
     "hf-mixtral": _hf_mixtral,
-    "hf-mixtral-round-robin": functools.partial(_hf_mixtral, round_robin=True),
+    "hf-mixtral-round-robin": functools.partial(_hf_mixtral, "round-robin"),
+    "hf-mixtral-balanced": functools.partial(_hf_mixtral, "balanced"),
+    "hf-mixtral-first": functools.partial(_hf_mixtral, "first"),
     "torchtitan": torchtitan.tiny,
 }
 
@@ -197,9 +229,10 @@ def meshes() -> list[Case]:
 
     from models_zoo import parallelize as par
 
-    def case(name: str, model: str, mesh: dict, fn, batch: int = 4, **options) -> Case:
+    def case(name: str, model: str, mesh: dict, fn, batch: int = 4, on_meta: bool = False, data_dependent: str = "max",
+             **options) -> Case:
         return Case(name, model, Strategy(mesh=mesh, parallelize=fn), batch, "mesh",
-                    {"mesh": mesh, "parallelize": fn, **options})
+                    {"mesh": mesh, "parallelize": fn, **options}, on_meta, data_dependent)
 
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     return [
@@ -226,6 +259,12 @@ def meshes() -> list[Case]:
              "hf-mixtral-round-robin", {"fsdp": 2}, functools.partial(own_plans, ep=2), batch=2),
         case("mesh: expert parallel 2 + FSDP2 x2 by transformers' own plans, no optimizer step", "hf-mixtral",
              {"fsdp": 2}, functools.partial(own_plans, ep=2), batch=4, optimizer=None),
+        case("mesh: expert parallel 2 + FSDP2 x2, predicted on the meta device with data_dependent='balanced', "
+             "routers that pick so", "hf-mixtral-balanced", {"fsdp": 2}, functools.partial(own_plans, ep=2), batch=2,
+             on_meta=True, data_dependent="balanced"),
+        case("mesh: expert parallel 2 + FSDP2 x2, predicted on the meta device (the bound: every token to the first "
+             "rank's experts), routers that pick so", "hf-mixtral-first", {"fsdp": 2},
+             functools.partial(own_plans, ep=2), batch=2, on_meta=True),
         case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
         case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, **bf16)),
@@ -265,7 +304,8 @@ class Row:
 
 def run_case(case: Case) -> list[Row]:
     build = MODELS[case.model]
-    model, sample_fn, loss_fn = build()
+    with torch.device("meta") if case.on_meta else contextlib.nullcontext():
+        model, sample_fn, loss_fn = build()
     if case.model.startswith("mlp"):
         model = _InputOnly(model)
     start = time.perf_counter()
@@ -276,7 +316,7 @@ def run_case(case: Case) -> list[Row]:
         step["optimizer"] = case.options["optimizer"]
     with cpu.threads(RANK_THREADS if case.harness else torch.get_num_threads()):
         rep = estimator.report(model, sample_fn(case.batch), batch=case.batch, strategy=case.strategy, device="cpu",
-                               **step)
+                               data_dependent=case.data_dependent, **step)
     seconds = time.perf_counter() - start
     if case.harness is None:
         model, sample_fn, loss_fn = build()

@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from estimator.capture import compiled, watchdog
-from estimator.capture.shadows import LIMIT, Shadows
+from estimator.capture import compiled, routing, watchdog
+from estimator.capture.shadows import EXCHANGED, LIMIT, ROUTED, Shadows
 from estimator.corrections.data_sizes import ACTIVE, OBSERVERS, inside_kernel  # the seam corrections read
 from estimator.vocab.data_dependent import SAMPLE, Policy, Site, Source
 from estimator.vocab.errors import CaptureError, InputError
@@ -56,7 +56,11 @@ aten = torch.ops.aten
 
 
 class NeedsProbe(CaptureError):
-    """A data-dependent value (``.item()``, ``bool(tensor)``) that only a real run can give."""
+    """A data-dependent value (``.item()``, ``bool(tensor)``) that only a real run can give;
+    ``after_topk``: a ``torch.topk`` of scores no shadow knows ran before it (a router's picks,
+    which a ``Policy.routing`` would give: ``routing.py``)."""
+
+    after_topk = False
 
 
 # -- call sites ---------------------------------------------------------------------------
@@ -147,6 +151,8 @@ class DataDependent(TorchDispatchMode):
         self.shadows = Shadows()  # the real values of what follows the sample alone
         self.read_values = False  # whether a shadow or the probe gave a value or size
         self.exchanged: dict[str, None] = {}  # values read that a collective brought (by site): shadows.py
+        self.routed: dict[str, None] = {}  # values read that follow a router's assumed picks: routing.py
+        self.unrouted = False  # a torch.topk of unknown scores ran, its picks not assumed (routing.py)
 
     def shadow_sample(self, fsample, sample, batch_dims: tuple[int, ...] | None = None) -> None:
         """Each sample tensor as the shadow of its fake copy (``shadows.py``)."""
@@ -166,9 +172,14 @@ class DataDependent(TorchDispatchMode):
                 self.shadows.seed(a, real)
 
     def _known(self, key: str, t: torch.Tensor, known):
-        """``known`` (a shadow's value or count), noting a value a collective brought."""
-        if known is not None and self.shadows.is_exchanged(t):
-            self.exchanged[key] = None
+        """``known`` (a shadow's value or count), noting one a collective brought or a router's
+        assumed picks fix."""
+        if known is not None:
+            marks = self.shadows.marks(t)
+            if EXCHANGED in marks:
+                self.exchanged[key] = None
+            if ROUTED in marks:
+                self.routed[key] = None
         return known
 
     def new_step(self) -> None:
@@ -296,7 +307,9 @@ class DataDependent(TorchDispatchMode):
         if args[0].is_floating_point():
             self.assumed[key] = None
             return 0.0
-        raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
+        exc = NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
+        exc.after_topk = self.unrouted
+        raise exc
 
 
 def probing() -> Probe | None:
@@ -478,6 +491,7 @@ _HANDLERS: dict[Any, Callable] = {
     aten.unique_dim.default: _unique,
     aten._local_scalar_dense.default: _scalar,
     aten._ctc_loss.Tensor: _ctc_loss,
+    aten.topk.default: routing.topk,
 }
 
 # Ops whose output holds a subset of a one-hot tensor's elements: it keeps the budget of ones.
@@ -641,12 +655,11 @@ def refuse_meta(model: nn.Module) -> None:
 
 def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = False, inputs: bool = False) -> Probe:
     """Run ``forward()`` (the model's forward and loss on the real sample, no grad unless ``grad``: a
-    user's whole step) recording the
-    data-dependent sizes and values; the model's buffers, hooks and the RNG come back as they
-    were, and the user's own forward hooks do not run (they would see real tensors the user's
-    code keeps: a hook that changes a module's output changes what the probe sees, a limitation);
-    a library's hooks do (``_user_hooks_off``).  ``inputs``: also keep the integer tensors handed
-    to each module call (``Probe.inputs``)."""
+    user's whole step) recording the data-dependent sizes and values; the model's buffers, hooks
+    and the RNG come back as they were, and the user's own forward hooks do not run (they would
+    see real tensors the user's code keeps: a hook that changes a module's output changes what the
+    probe sees, a limitation); a library's hooks do (``_user_hooks_off``).  ``inputs``: also keep
+    the integer tensors handed to each module call (``Probe.inputs``)."""
     refuse_meta(model)
     names = {id(m): name for name, m in model.named_modules()}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -660,85 +673,3 @@ def probe(model: nn.Module, sample, forward: Callable[[], Any], grad: bool = Fal
             for name, b in model.named_buffers():
                 b.copy_(saved[name])
     return recorder
-
-
-def _lines(keys) -> str:
-    """The user's lines of value sites (``"<module>:<op>@<file:line>#<k>"``), each once."""
-    return ", ".join(dict.fromkeys(key.partition("@")[2].rpartition("#")[0] for key in keys))
-
-
-def assumed_note(keys) -> tuple[str, ...]:
-    """The note on floating-point values the capture answered with 0.0."""
-    if not keys:
-        return ()
-    where = _lines(keys)
-    return (f"{len(keys)} floating-point value(s) read with .item()/float() (at {where}) were taken as 0.0: "
-            "fake tensors have no values; memory does not depend on a value that is logged or compared, but a "
-            "step that branches on it may allocate otherwise",)
-
-
-def exchanged_note(keys) -> tuple[str, ...]:
-    """The note on values a collective brought from the other ranks (``shadows.py``)."""
-    if not keys:
-        return ()
-    return (f"{len(keys)} value(s) read at {_lines(keys)} came from the other ranks through collectives (an "
-            "all-to-all of expert parallelism's token counts, an all-reduce of a token count): taken as in a job "
-            "whose every rank holds this rank's values (here: routes its tokens as the sample's are routed, by "
-            "the weights as given: training moves the routing). Exact when the ranks' batches route alike; where "
-            "they differ, a rank may receive more (its experts' tokens: up to every rank's), which this does not "
-            "bound",)
-
-
-def host_note(keys) -> tuple[str, ...]:
-    """The note on values host code read (``.numpy()``) that the probe's real run gave."""
-    if not keys:
-        return ()
-    where = _lines(keys)
-    return (f"{len(keys)} tensor value(s) read on the host with .numpy() (at {where}) are those of a real forward of "
-            "the model on the sample (the probe): sizes host code derives from them (a matching's indices) follow "
-            "this sample's values",)
-
-
-_MANY_MODULES = 8  # more modules than this with one data-dependent op share one note
-
-
-def _merged_note(op: str, source, modules: list[str], group: list[Site]) -> str:
-    uppers = ", ".join(sorted({str(g.upper) for g in group}, key=lambda u: (len(u), u)))
-    used = sorted({str(g.used) for g in group}, key=lambda u: (len(u), u))
-    return (f"data-dependent sizes of {op} in {len(modules)} modules ({modules[0]} … {modules[-1]}), {len(group)} "
-            f"calls: 0 ≤ n ≤ {uppers}; used n = {', '.join(used)}, {source.value}. Override per call, e.g. "
-            f"report(..., data_dependent={{{group[0].site!r}: n, ...}}), or for all with a fraction: "
-            "data_dependent=0.01")
-
-
-def notes(sites: tuple[Site, ...]) -> tuple[str, ...]:
-    """The data-dependent sizes used, one note per module and op whose calls share a bound and a
-    source (an MoE layer's experts): the sites, the range, the values used and why."""
-    groups: dict[tuple, list[Site]] = {}
-    for site in sites:
-        module, _, rest = site.site.rpartition(":")
-        groups.setdefault((module, rest.split("#")[0], str(site.upper), site.source), []).append(site)
-    modules: dict[tuple, list[str]] = {}  # (op, source) -> its modules
-    for module, op, _, source in groups:
-        modules.setdefault((op, source), []).append(module)
-    out, merged = [], set()
-    for (module, op, upper, source), group in groups.items():
-        many = modules[op, source]
-        if len(many) > _MANY_MODULES:  # every quantized linear of a model: one note for the op
-            if (op, source) not in merged:
-                merged.add((op, source))
-                out.append(_merged_note(op, source, many, [s for s in sites if s.op == op and s.source is source]))
-            continue
-        ks = [int(g.site.rpartition("#")[2]) for g in group]
-        calls = f"#{ks[0]}" if len(ks) == 1 else (
-            f"#{ks[0]}–#{ks[-1]}" if ks == list(range(ks[0], ks[-1] + 1)) else "#" + ", #".join(map(str, ks)))
-        used = sorted({str(g.used) for g in group})
-        used = used[0] if len(used) == 1 else ", ".join(str(g.used) for g in group)
-        seen = [g.observed for g in group if g.observed is not None]
-        seen = "; on the sample " + ", ".join(f"{n:,}" for n, _ in seen) + f" of {seen[0][1]:,}" if seen else ""
-        each = " each" if len(group) > 1 else ""
-        out.append(f"data-dependent size{'s' if len(group) > 1 else ''} {module}:{op}{calls}: 0 ≤ n ≤ {upper}{each}; "
-                   f"used n = {used}, {source.value}{seen}. Override with "
-                   f"report(..., data_dependent={{{group[0].site!r}: n, ...}})")
-    return tuple(out)
-

@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple
 
 from torch import nn
 
-from estimator.capture import datadep, steps
+from estimator.capture import steps, value_notes
 from estimator.capture.records import Decoding, RawCapture, RunMarks, StepSpec
 from estimator.capture.tracker import OpEvent, Storage
 from estimator.vocab.bookkeeping import collector_paused
@@ -642,10 +642,10 @@ class _Extension:
                      f"step makes {calls}, the built blocks' {calls - captured} each measured (or not) as its "
                      "template's")
         # the data-dependent sizes' notes name every site: those of the built blocks too
-        said = set(datadep.notes(raw.data_dependent))
+        said = set(value_notes.notes(raw.data_dependent))
         at = next((i for i, n in enumerate(raw.notes) if n in said), len(raw.notes))
         kept = [n for n in raw.notes if n not in said]
-        notes = (*kept[:at], *datadep.notes(sites), *kept[at:], note)
+        notes = (*kept[:at], *value_notes.notes(sites), *kept[at:], note)
         return dataclasses.replace(raw, ops=out_ops, storages=new_storages, grad_order=grad_order, notes=notes,
                                    data_dependent=sites, freed_first=freed_first, marks=marks, decoding=decoding,
                                    state_names=names)

@@ -18,8 +18,10 @@ run's), a shape that differs from the fake's hint (data-dependent sizes), or mor
 
 A collective (on the fake process group of ``Strategy(mesh=)``) brings the other ranks' values:
 its outputs get those of a job whose every rank holds this rank's (``_exchanged``), marked
-``exchanged`` so the capture can say so and tell the ranks apart by their place in the group.
-A module's integer arguments can be seeded too (``seed``: the probe's, for a router's indices).
+``EXCHANGED`` so the capture can say so and tell the ranks apart by their place in the group.
+A module's integer arguments can be seeded too (``seed``: the probe's, for a router's indices), and
+so can a router's top-k picks where no real run gives them (``routing.py``), marked ``routed``.
+Marks follow the values: an op's outputs carry every mark of its inputs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ LIMIT = 1 << 20  # elements of one shadow (and of a module argument the probe ke
 # The namespaces of collectives: ``c10d``'s in-place ops and the functional ones (``torch.distributed``'s
 # ``_functional_collectives``, ``_c10d_functional_autograd``), which a fake process group runs without values.
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+_CPU = torch.device("cpu")
+EXCHANGED, ROUTED = "exchanged", "routed"  # the marks: a collective brought it; a router's picks assumed
 
 
 def hint(value):
@@ -65,8 +69,9 @@ class Shadows:
         self._real = WeakIdKeyDictionary()
         self._seeded = False  # any shadow given yet (an op with no shadowed input is then not looked at)
         self._stale: set[int] = set()  # fake storages written by an op the shadows did not follow
-        # fake storages whose shadows hold values a collective brought (``_exchanged``), or follow from them
-        self.exchanged: set[int] = set()
+        # fake storages -> the marks of their shadows' values (EXCHANGED: a collective brought them, or they
+        # follow from such; ROUTED: from a router's assumed picks)
+        self._marks: dict[int, frozenset[str]] = {}
         self.exchanged_groups: set[tuple[int, ...]] = set()  # the global ranks of those collectives' groups
 
     def __bool__(self) -> bool:
@@ -94,18 +99,33 @@ class Shadows:
         with _disable_current_modes():
             return int(real.count_nonzero()), real.numel()
 
-    def seed(self, fake: torch.Tensor, real: torch.Tensor, dim: int = 0) -> None:
+    def seed(self, fake: torch.Tensor, real: torch.Tensor, dim: int = 0, mark: str | None = None) -> None:
         """``real`` (a sample tensor) as the shadow of its fake copy ``fake``: rows repeated along
-        ``dim`` to the fake's hint where they differ."""
+        ``dim`` to the fake's hint where they differ; ``mark``: its values' mark."""
         shape = _hint_shape(fake)
         with _disable_current_modes():  # (a module's argument is seeded inside the capture's modes)
             if real.shape != shape and real.dim() == len(shape) and real.dim() > dim and real.shape[dim] > 0:
                 rows = torch.arange(shape[dim]) % real.shape[dim]
                 real = real.index_select(dim, rows)
             if tuple(real.shape) == shape and real.numel() <= LIMIT:
-                self._real[fake] = real.detach()
-                self._stale.discard(fake.untyped_storage()._cdata)  # (a dead storage's address, reused)
+                self._set(fake, real.detach(), frozenset({mark}) if mark else frozenset())
                 self._seeded = True
+
+    def _set(self, fake: torch.Tensor, real: torch.Tensor, marks: frozenset[str]) -> None:
+        address = fake.untyped_storage()._cdata
+        self._real[fake] = real
+        self._stale.discard(address)  # (a dead storage's address, reused)
+        if marks:
+            self._marks[address] = marks
+        else:
+            self._marks.pop(address, None)
+
+    def marks(self, fake: torch.Tensor) -> frozenset[str]:
+        """The marks of ``fake``'s shadow's values (``EXCHANGED``, ``ROUTED``)."""
+        return self._marks.get(fake.untyped_storage()._cdata, frozenset())
+
+    def _marks_of(self, tensors) -> frozenset[str]:
+        return frozenset().union(*(self.marks(t) for t in tensors)) if self._marks else frozenset()
 
     def follow(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on fake tensors: run it on the shadows where every tensor argument
@@ -131,7 +151,7 @@ class Shadows:
         Where its inputs have shadows they get the values of a job whose every rank holds this
         rank's (``_exchanged``: a sum over ``n`` ranks is ``n`` times the value, an all-gather
         ``n`` copies, an all-to-all ``n`` copies of the chunk this rank sends itself), and are
-        marked as such (``exchanged``); else none.  ``c10d``'s ops write into their first argument
+        marked ``EXCHANGED``; else none.  ``c10d``'s ops write into their first argument
         (``output``, ``output_tensors``, ``tensors``) without saying so in their schemas; a
         functional collective returns its result."""
         bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
@@ -156,10 +176,9 @@ class Shadows:
             for t in targets:
                 self._stale.add(t.untyped_storage()._cdata)
             return
+        marks = self._marks_of(inputs) | {EXCHANGED}
         for t, value in zip(targets, values):
-            self._real[t] = value
-            self._stale.discard(t.untyped_storage()._cdata)
-            self.exchanged.add(t.untyped_storage()._cdata)
+            self._set(t, value, marks)
         if name not in ("wait_tensor", "_wrap_tensor_autograd"):
             self.exchanged_groups.add(_group(bound)[2])
 
@@ -171,8 +190,10 @@ class Shadows:
         return bool(outs) and all(isinstance(n, int) and n <= LIMIT for n in (hint(t.numel()) for t in outs))
 
     def _run(self, func, args, kwargs, out) -> bool:
-        def real(x):
-            return self.get(x) if isinstance(x, torch.Tensor) else hint(x)
+        def real(x):  # shadows live on the CPU whatever device the capture targets (a factory's device=cuda)
+            if isinstance(x, torch.Tensor):
+                return self.get(x)
+            return _CPU if isinstance(x, torch.device) and x.type != "meta" else hint(x)
 
         real_args, real_kwargs = tree_map(real, (args, kwargs))
         try:
@@ -183,19 +204,12 @@ class Shadows:
         fakes, reals = tree_flatten(out)[0], tree_flatten(result)[0]
         if len(fakes) != len(reals):
             return False
-        exchanged = any(t.untyped_storage()._cdata in self.exchanged for t in _tensors(args, kwargs))
+        marks = self._marks_of(_tensors(args, kwargs))
         for fake, value in zip(fakes, reals):
             if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor) \
                     and tuple(value.shape) == _hint_shape(fake):
-                self._real[fake] = value
-                self._stale.discard(fake.untyped_storage()._cdata)
-                if exchanged:
-                    self.exchanged.add(fake.untyped_storage()._cdata)
+                self._set(fake, value, marks)
         return True
-
-    def is_exchanged(self, fake: torch.Tensor) -> bool:
-        """Whether ``fake``'s shadow holds values a collective brought (see ``_collective``)."""
-        return fake.untyped_storage()._cdata in self.exchanged
 
 
 # ``torch.distributed.ReduceOp.RedOpType``'s values (c10d's ``ReduceOp.op()``) and the functional

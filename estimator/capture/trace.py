@@ -41,6 +41,7 @@ from estimator.capture import (
     steps,
     symbols,
     tracing,
+    value_notes,
     world,
 )
 from estimator.capture.checkpointing import checkpointing
@@ -65,7 +66,7 @@ from estimator.corrections.mode import Substitutions
 from estimator.vocab import progress
 from estimator.vocab.bookkeeping import collector_fresh
 from estimator.vocab.categories import Born, Category, Mode, Phase
-from estimator.vocab.data_dependent import Policy, Source
+from estimator.vocab.data_dependent import Policy, Routing, Source
 from estimator.vocab.errors import CaptureError, InputError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import B, Poly
 
@@ -150,6 +151,9 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         try:
             probed = _probed(model, probe_sample, spec)
         except InputError:
+            routed = _routed(model, sample, spec, batch, symbolic, seq_dims) if exc.after_topk else None
+            if routed is not None:
+                return routed
             stand_in = generation.narrow_stand_in(model) if spec.mode is Mode.GENERATE else None
             if stand_in is None:
                 raise CaptureError(f"{_at(exc)}; the model's weights are on the meta device, so fxmem cannot run "
@@ -162,6 +166,22 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         return dataclasses.replace(raw, reads_values=True)
     except datadep.NeedsProbe as exc:
         raise _unreached(exc, probed, spec) from None
+
+
+def _routed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool, seq_dims) -> RawCapture | None:
+    """The capture of a model on meta weights whose step needs a value only a real run gives after a
+    router's ``torch.topk``, with its picks at their bound (``Routing.FIRST``, ``routing.py``: expert
+    parallelism's token counts follow them); None where a value still stays unknown, or where
+    ``generate()`` would need its narrow stand-in anyway (the values of the tokens it samples)."""
+    policy = spec.data_dependent
+    if policy.routing is not None or spec.mode is Mode.GENERATE:
+        return None
+    bound = dataclasses.replace(policy, routing=Routing.FIRST, unprobed=True)
+    try:
+        raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=bound), batch, symbolic, seq_dims)
+    except datadep.NeedsProbe:
+        return None
+    return dataclasses.replace(raw, reads_values=True)
 
 
 def _at(exc: BaseException) -> str:
@@ -383,9 +403,10 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes = _price_host_kernels(tracker, shape_env, batch_symbols[0], micro)
     notes += custom_ops.notes(tracker.ops, tracker.target)  # which ops' memory a user declared
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
-    notes += held_note(model) + real.notes() + warm.notes + leak + datadep.assumed_note(dd.assumed)
+    notes += held_note(model) + real.notes() + warm.notes + leak + value_notes.assumed_note(dd.assumed)
     notes += (offload.notes() if offload else ()) + phases.host_note(phases.host_state(spec, optimizers))
-    notes += datadep.host_note(dd.host_reads) + datadep.exchanged_note(dd.exchanged)
+    notes += value_notes.host_note(dd.host_reads) + value_notes.exchanged_note(dd.exchanged, bool(dd.routed))
+    notes += value_notes.routed_note(dd.routed, spec.data_dependent.routing)
     if dd.exchanged:  # what a rank receives follows its place in the groups whose values it read
         roles = world.split_roles(roles, dd.shadows.exchanged_groups, fmodel, spec.strategy.mesh)
     if user and spec.mode is Mode.TRAIN and not any(op.phase is Phase.BACKWARD for op in tracker.ops):
@@ -404,13 +425,13 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
             op.scratch = tuple(Poly.const(int(x)) for x in op.scratch)
         sites = tuple(dd.sites.values())
         return RawCapture(tracker.ops, storages, graph, batch, batch, (), grad_order=tuple(grad_order),
-                          notes=notes + datadep.notes(sites) + grown(), data_dependent=sites,
+                          notes=notes + value_notes.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
                           managed=sum(managed.values()), state_names=state_names, reads_values=dd.read_values,
                           roles=roles)
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
                                   decoded.get("guard_marks", ()))
-    raw.grad_order, raw.notes = tuple(grad_order), notes + datadep.notes(raw.data_dependent) + grown()
+    raw.grad_order, raw.notes = tuple(grad_order), notes + value_notes.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
     raw.state_names, raw.reads_values, raw.roles = state_names, dd.read_values, roles
     raw.symbolic_regions = spec.compiled is None and bool(regions.get("symbolic"))

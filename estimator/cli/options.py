@@ -149,7 +149,8 @@ def model_options(func=None, *, strategy: bool = True):
         click.option(
             "--data-dependent", "data_dependent", multiple=True, metavar="POLICY",
             help="sizes fake tensors cannot know (x[mask], nonzero, MoE routing): max (default, the upper "
-                 "bound), sample (observed on the sample; real weights, so --device-init cpu), a fraction "
+                 "bound), sample (observed on the sample; real weights, so --device-init cpu), balanced (max, "
+                 "and an MoE router's picks spread evenly where expert parallelism reads them), a fraction "
                  "such as 0.5, or SITE=N for one call site (the report's notes name them); repeatable.",
         ),
         click.option("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF to model (GPU target; "

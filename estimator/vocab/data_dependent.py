@@ -2,8 +2,9 @@
 
 ``report(data_dependent=...)`` as a ``Policy`` (``"max"``: the upper bound, the safe worst case;
 ``"sample"``: what one real forward on the sample gives, scaled per batch row; a fraction of the
-bound; or values per call site), and what a capture reports of each such size: a ``Site`` with its
-``Source``.  The capture applies the policy (``estimator.capture.datadep``).
+bound; or values per call site), what an MoE router chooses where no real run can say
+(``Routing``), and what a capture reports of each such size: a ``Site`` with its ``Source``.  The
+capture applies the policy (``estimator.capture.datadep``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ from typing import Any
 
 from estimator.vocab.errors import InputError
 
-MAX, SAMPLE = "max", "sample"
+MAX, SAMPLE, BALANCED = "max", "sample", "balanced"
+
+
+class Routing(enum.Enum):
+    """Which experts an MoE router's ``torch.topk`` picks where no real run of the router can say
+    (its weights on the meta device, or ``data_dependent="balanced"``): the values a step reads from
+    them (expert parallelism's token counts, which size what each rank receives) follow this."""
+
+    FIRST = ("every token picks the same k experts, the first k: the first rank's experts receive every "
+             "rank's tokens, the most any rank can receive (data_dependent='max', the safe worst case)")
+    BALANCED = ("balanced: the (token, slot) pair p picks expert p mod E, so every expert and every rank "
+                "receives alike (data_dependent='balanced')")
 
 
 class Source(enum.Enum):
@@ -51,6 +63,9 @@ class Policy:
     # the probe could not run (the weights are on the meta device): "sample" sizes the sample's own
     # values do not fix are refused (``meta_weights``)
     unprobed: bool = False
+    # a router's top-k picks where no real run gives them: "balanced" asks for BALANCED (without a
+    # probe); a capture on meta weights that needs them takes FIRST, the bound (``trace._capture_probed``)
+    routing: Routing | None = None
 
     @property
     def needs_probe(self) -> bool:
@@ -58,16 +73,21 @@ class Policy:
 
     @staticmethod
     def of(value) -> Policy:
-        """From ``report(data_dependent=)``: ``"max"``, ``"sample"``, a fraction in ``(0, 1]``, or
-        a dict ``{site: "max" | "sample" | fraction | int}`` (``"*"``: the default)."""
+        """From ``report(data_dependent=)``: ``"max"``, ``"sample"``, ``"balanced"`` (``"max"``, a
+        router's picks ``Routing.BALANCED``), a fraction in ``(0, 1]``, or a dict ``{site: "max" |
+        "sample" | fraction | int}`` (``"*"``: the default, which may be ``"balanced"``)."""
         if isinstance(value, Policy):
             return value
         if value is None:
             return Policy()
-        if isinstance(value, Mapping):
-            sites = {str(k): _choice(v, f"data_dependent[{k!r}]", allow_int=True) for k, v in value.items()}
-            return Policy(sites.pop("*", MAX), sites)
-        return Policy(_choice(value, "data_dependent", allow_int=False))
+        given = dict(value) if isinstance(value, Mapping) else {"*": value}
+        routing = None
+        if isinstance(given.get("*"), str) and given["*"].lower() == BALANCED:
+            given["*"], routing = MAX, Routing.BALANCED
+        if not isinstance(value, Mapping):
+            return Policy(_choice(given["*"], "data_dependent", allow_int=False), routing=routing)
+        sites = {str(k): _choice(v, f"data_dependent[{k!r}]", allow_int=True) for k, v in given.items()}
+        return Policy(sites.pop("*", MAX), sites, routing=routing)
 
 
 def _choice(value, what: str, allow_int: bool):
@@ -81,7 +101,7 @@ def _choice(value, what: str, allow_int: bool):
         if not (0 < float(value) <= 1):
             raise InputError(f"{what}: a fraction of the upper bound must be in (0, 1], got {value!r}")
         return float(value)
-    kinds = "'max', 'sample', a fraction in (0, 1]" + (" or a number of elements" if allow_int else "")
+    kinds = "'max', 'sample', a fraction in (0, 1]" + (" or a number of elements" if allow_int else ", 'balanced'")
     raise InputError(f"{what} must be {kinds}, got {value!r}")
 
 
