@@ -12,6 +12,7 @@ FSDP2 over the rest, each rank's step captured as its library's own code runs it
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -154,7 +155,8 @@ def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[
 
 def mesh_strategies(model: nn.Module, devices: int) -> dict[str, Strategy]:
     """``devices`` ranks as tensor parallelism over 2, 4 or 8 of them (dividing ``devices`` and
-    the model's heads) and FSDP2 over the rest, by the model's own plans
+    the model's heads) and FSDP2 over the rest, and for an MoE FSDP2 over all of them with its
+    experts split over as many as divide both (``model_plans.ep_size``), by the model's own plans
     (``capture.model_plans.own_plans``); none where the model carries none."""
     if not model_plans.carries_plans(model):
         return {}
@@ -163,6 +165,10 @@ def mesh_strategies(model: nn.Module, devices: int) -> dict[str, Strategy]:
         mesh = model_plans.mesh_for(devices, tp)
         label = " x ".join([*([f"FSDP2 x{mesh['dp_shard']}"] if "dp_shard" in mesh else []), f"TP {tp}"])
         out[f"{label} (its own plans)"] = Strategy(mesh=mesh, parallelize=model_plans.own_plans)
+    ep = model_plans.ep_size(model, devices)
+    if ep > 1:
+        out[f"FSDP2 x{devices} + EP {ep} (its own plans)"] = Strategy(
+            mesh={"dp_shard": devices}, parallelize=functools.partial(model_plans.own_plans, ep=ep))
     return out
 
 
@@ -424,12 +430,17 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     ZeRO-1 adds the parameter broadcast (P); ZeRO-2 all-gathers P once and reduce-scatters G;
     ZeRO-3 all-gathers P twice (forward and backward).  Pipelines send activations: not
     counted (0).  On a mesh, its data-parallel ranks are counted as ZeRO-3's (FSDP2) on the
-    ``P / t`` each tensor-parallel group of ``t`` holds; tensor parallelism's own traffic
-    (activations) is not counted, nor is anything else your parallel code sends."""
+    ``P / t`` each tensor-parallel group of ``t`` holds, and with expert parallelism over ``e``
+    ranks the expert weights ``E`` as ZeRO-3's on the ``E / e`` each holds, over the ``n·t / e``
+    ranks that hold the same experts; tensor parallelism's own traffic and expert parallelism's
+    tokens (activations) are not counted, nor is anything else your parallel code sends."""
     p = sum(t.numel() * t.element_size() for t in model.parameters() if t.requires_grad)
     if strategy.mesh is not None:
         n, tp = strategy.replicas, strategy.devices // strategy.replicas
-        return round((n - 1) / n * 3 * p / tp)
+        ep = model_plans.ep_of(strategy.parallelize)
+        expert = model_plans.experts(model)[1] if ep > 1 else 0
+        same = n * tp // ep  # the ranks that hold one expert shard
+        return round((n - 1) / n * 3 * (p - expert) / tp + (same - 1) / same * 3 * expert / ep)
     n = strategy.data_parallel
     if n == 1:
         return 0
@@ -484,7 +495,8 @@ def cost(strategy: Strategy) -> str:
         parts.append("compiles at the first step (and again at a new batch size)")
     if strategy.mesh is not None:
         parts.append("your parallel code's collectives: FSDP2's on the dp dims (counted), tensor parallelism's of "
-                     "activations (not)")
+                     "activations (not)" + (", expert parallelism's all-to-alls of tokens (not)"
+                                            if model_plans.ep_of(strategy.parallelize) > 1 else ""))
     if strategy.pipeline > 1:
         s, m = strategy.pipeline, strategy.microbatches
         bubble = (s - 1) / (m + s - 1)

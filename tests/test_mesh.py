@@ -461,6 +461,28 @@ def test_compare_offers_a_transformers_model_meshes_by_its_own_plans():
     assert result["mesh"].samples_per_step == 8
 
 
+def test_compare_offers_an_moe_expert_parallelism_by_its_own_plans():
+    """A MixtralForCausalLM (4 experts, its expert-parallel plan): on 4 devices also FSDP2 over the 4
+    with the experts split over them (EP 4); on 8 devices EP 4 again (4 experts); the expert weights
+    are FSDP2's over the ranks that hold the same experts: none for EP 4 of 4, 2 for EP 4 of 8."""
+    from estimator.capture import model_plans
+    from validators.strategies import _hf_mixtral
+
+    model = _hf_mixtral()[0]
+    count, expert = model_plans.experts(model)
+    # 2 layers x (gate_up 4 x 128 x 32 + down 4 x 32 x 64) fp32
+    assert (count, expert) == (4, 2 * (4 * 128 * 32 + 4 * 32 * 64) * F32) == (4, 196_608)
+    offered = planning.mesh_strategies(model, 4)
+    ep = offered["FSDP2 x4 + EP 4 (its own plans)"]
+    assert ep.mesh == (("dp_shard", 4),) and model_plans.ep_of(ep.parallelize) == 4
+    assert "FSDP2 x8 + EP 4 (its own plans)" in planning.mesh_strategies(model, 8)
+    p = sum(t.numel() * F32 for t in model.parameters())
+    assert planning.communication_bytes(model, ep) == round(3 / 4 * 3 * (p - expert))  # experts: 1 rank each
+    ep8 = planning.mesh_strategies(model, 8)["FSDP2 x8 + EP 4 (its own plans)"]
+    assert planning.communication_bytes(model, ep8) == round(7 / 8 * 3 * (p - expert) + 1 / 2 * 3 * expert / 4)
+    assert "all-to-alls of tokens" in planning.cost(ep) and model_plans.experts(_llama()[0]) == (0, 0)
+
+
 def test_own_plans_name_what_they_cannot_do():
     model, sample_fn, loss_fn = _llama()
     with pytest.raises(InputError, match="own_plans: Llama carries no parallel plans"):
@@ -560,6 +582,25 @@ def test_collectives_give_the_values_of_ranks_that_all_hold_this_ranks():
         assert exchanged("all_to_all_single", input=x, input_split_sizes=[1, 3, 2, 2],
                          output_split_sizes=[3] * 4) == [1, 2, 3] * 4
         assert shadows._exchanged("all_reduce", {"input": x, "reduce_op": "premul_sum", **group}, lambda t: t) == [None]
+        # what each place of the group gets where ranks get different parts: an all-to-all's chunk
+        counts = {"input": torch.tensor([2, 2, 2, 5]), "input_split_sizes": [], **group}
+        assert [shadows._received("all_to_all_single", counts, lambda t: t, p, 4).tolist() for p in range(4)] == \
+            [[2], [2], [2], [5]]
+        assert shadows._received("all_reduce", {"input": x, **group}, lambda t: t, 0, 4) is None  # all alike
+
+
+def test_ranks_are_split_by_what_they_first_receive_otherwise():
+    """``world.split_roles``: places of a group not named run what this rank runs; places named by
+    what they first received otherwise are alike where that is alike.  Four ranks in one group
+    (no mesh dim): places 2 and 3 first differed at collective 0, alike; place 1 at collective 1."""
+    from estimator.capture import world
+
+    got = (0, (1,), b"\x00")
+    assert world.split_roles(((0, 1, 2, 3),), {(0, 1, 2, 3): {}}, nn.Linear(1, 1), (("dp", 4),)) == ((0, 1, 2, 3),)
+    diverged = {(0, 1, 2, 3): {2: got, 3: got, 1: (1, (1,), b"\x00")}}
+    assert world.split_roles(((0, 1, 2, 3),), diverged, nn.Linear(1, 1), (("dp", 4),)) == ((0,), (1,), (2, 3))
+    # a group of two of the four ranks: the ranks outside it are roles of their own
+    assert world.split_roles(((0, 1, 2, 3),), {(0, 1): {}}, nn.Linear(1, 1), (("dp", 4),)) == ((0, 1), (2,), (3,))
 
 
 def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
@@ -591,6 +632,8 @@ def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
         rep = estimator.report(meta, sample_fn(2), batch=2, device="cpu", optimizer=None, data_dependent=policy,
                                strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))
         assert any("follow the experts an MoE router picks" in n for n in rep.notes)
+        # the ranks are roles of their own where they receive other tokens (Shadows._diverged)
+        assert [r.ranks for r in rep.ranks] == ([(0, 1)] if router == "balanced" else [(0,), (1,)])
         peaks[router] = _per_rank(rep)
     real = estimator.report(_hf_mixtral("first", layers=1)[0], sample_fn(2), batch=2, device="cpu", optimizer=None,
                             strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))

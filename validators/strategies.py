@@ -265,6 +265,8 @@ def meshes() -> list[Case]:
         case("mesh: expert parallel 2 + FSDP2 x2, predicted on the meta device (the bound: every token to the first "
              "rank's experts), routers that pick so", "hf-mixtral-first", {"fsdp": 2},
              functools.partial(own_plans, ep=2), batch=2, on_meta=True),
+        case("mesh: expert parallel 4 + FSDP2 x4, predicted on the meta device (the bound), routers that pick so",
+             "hf-mixtral-first", {"fsdp": 4}, functools.partial(own_plans, ep=4), batch=2, on_meta=True),
         case("mesh: FSDP 2 x TP 2 + SP", "llama", {"dp_shard": 2, "tp": 2}, par.llama_fsdp_tp),
         case("mesh: FSDP 2 x TP 2 + SP, bf16 params", "llama", {"dp_shard": 2, "tp": 2},
              functools.partial(par.llama_fsdp_tp, **bf16)),

@@ -175,7 +175,7 @@ class DataDependent(TorchDispatchMode):
         """``known`` (a shadow's value or count), noting one a collective brought or a router's
         assumed picks fix."""
         if known is not None:
-            marks = self.shadows.marks(t)
+            marks = self.shadows.read(t)
             if EXCHANGED in marks:
                 self.exchanged[key] = None
             if ROUTED in marks:

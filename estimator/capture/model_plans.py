@@ -10,10 +10,15 @@ FSDP2.  ``own_plans`` is that call, as a parallelize function: ``Strategy(mesh={
 "tp": 2}, parallelize=own_plans)``; ``compare`` and ``plan`` propose it for a number of devices
 (``mesh_strategies``).  The mesh's dims are torchtitan's names or transformers' own:
 ``dp_replicate`` (HSDP's replicas), ``dp_shard`` or ``fsdp``, ``tp``; expert parallelism regroups those
-ranks (``own_plans(..., ep=)``).  Pipeline parallelism is not offered (every dim but these is refused).
+ranks (``own_plans(..., ep=)``; ``mesh_strategies`` offers it for a model with an expert-parallel
+plan).  Pipeline parallelism is not offered (every dim but these is refused).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import re
 
 from torch import nn
 
@@ -72,6 +77,32 @@ def tp_sizes(model: nn.Module, devices: int) -> list[int]:
     heads = [getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
     heads = [h for h in heads if isinstance(h, int)]
     return [t for t in TP_SIZES if heads and devices % t == 0 and all(h % t == 0 for h in heads)]
+
+
+def experts(model: nn.Module) -> tuple[int, int]:
+    """(how many experts, the bytes of the trainable expert weights) by the model's expert-parallel
+    plan (transformers' ``model.ep_plan``: the weights ``MoEParamShard`` splits along dim 0, the
+    experts'); (0, 0) where it has none."""
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"\d+") + "$") for k in getattr(model, "ep_plan", None) or {}]
+    found = [t for name, t in model.named_parameters() if any(p.match(name) for p in patterns)]
+    if not found:
+        return 0, 0
+    return found[0].shape[0], sum(t.numel() * t.element_size() for t in found if t.requires_grad)
+
+
+def ep_size(model: nn.Module, devices: int) -> int:
+    """The expert-parallel size ``mesh_strategies`` offers: the experts over as many of the
+    ``devices`` as divide both (1: none)."""
+    count, _ = experts(model)
+    return math.gcd(count, devices) if count else 1
+
+
+def ep_of(parallelize) -> int:
+    """The ``ep`` a parallelize function applies: ``own_plans``' (``functools.partial(own_plans,
+    ep=...)``), else 1."""
+    if isinstance(parallelize, functools.partial) and parallelize.func is own_plans:
+        return parallelize.keywords.get("ep", 1)
+    return 1
 
 
 def mesh_for(devices: int, tp: int) -> dict[str, int]:

@@ -70,9 +70,12 @@ class Shadows:
         self._seeded = False  # any shadow given yet (an op with no shadowed input is then not looked at)
         self._stale: set[int] = set()  # fake storages written by an op the shadows did not follow
         # fake storages -> the marks of their shadows' values (EXCHANGED: a collective brought them, or they
-        # follow from such; ROUTED: from a router's assumed picks)
-        self._marks: dict[int, frozenset[str]] = {}
-        self.exchanged_groups: set[tuple[int, ...]] = set()  # the global ranks of those collectives' groups
+        # follow from such, with the number of each such collective; ROUTED: from a router's assumed picks)
+        self._marks: dict[int, frozenset] = {}
+        # the collectives whose values a read followed: their groups (global ranks) -> the places in each whose
+        # values first differed from this rank's, by what they received then (``_diverged``, ``read``)
+        self.exchanged_groups: dict[tuple[int, ...], dict[int, tuple]] = {}
+        self._diverged_at: list[tuple[tuple[int, ...], dict[int, tuple]]] = []  # by collective, as ``_diverged``
 
     def __bool__(self) -> bool:
         return self._seeded
@@ -111,7 +114,7 @@ class Shadows:
                 self._set(fake, real.detach(), frozenset({mark}) if mark else frozenset())
                 self._seeded = True
 
-    def _set(self, fake: torch.Tensor, real: torch.Tensor, marks: frozenset[str]) -> None:
+    def _set(self, fake: torch.Tensor, real: torch.Tensor, marks: frozenset) -> None:
         address = fake.untyped_storage()._cdata
         self._real[fake] = real
         self._stale.discard(address)  # (a dead storage's address, reused)
@@ -120,11 +123,23 @@ class Shadows:
         else:
             self._marks.pop(address, None)
 
-    def marks(self, fake: torch.Tensor) -> frozenset[str]:
-        """The marks of ``fake``'s shadow's values (``EXCHANGED``, ``ROUTED``)."""
+    def marks(self, fake: torch.Tensor) -> frozenset:
+        """The marks of ``fake``'s shadow's values (``EXCHANGED``, ``ROUTED``, collectives' numbers)."""
         return self._marks.get(fake.untyped_storage()._cdata, frozenset())
 
-    def _marks_of(self, tensors) -> frozenset[str]:
+    def read(self, fake: torch.Tensor) -> frozenset:
+        """``marks(fake)``, for a value the step reads: the collectives it follows count for the
+        ranks' roles (``exchanged_groups``; a place keeps the first collective it differed at)."""
+        marks = self.marks(fake)
+        for k in sorted(m for m in marks if isinstance(m, int)):
+            ranks, places = self._diverged_at[k]
+            group = self.exchanged_groups.setdefault(ranks, {})
+            for place, got in places.items():
+                if place not in group or got[0] < group[place][0]:
+                    group[place] = got
+        return marks
+
+    def _marks_of(self, tensors) -> frozenset:
         return frozenset().union(*(self.marks(t) for t in tensors)) if self._marks else frozenset()
 
     def follow(self, func, args, kwargs, out) -> None:
@@ -177,10 +192,26 @@ class Shadows:
                 self._stale.add(t.untyped_storage()._cdata)
             return
         marks = self._marks_of(inputs) | {EXCHANGED}
+        if name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            marks |= {self._diverged(name, bound)}
         for t, value in zip(targets, values):
             self._set(t, value, marks)
-        if name not in ("wait_tensor", "_wrap_tensor_autograd"):
-            self.exchanged_groups.add(_group(bound)[2])
+
+    def _diverged(self, name: str, bound: dict) -> int:
+        """The collective's number; notes the places of its group whose rank gets other values than
+        this one (``_received``), with what it gets.  Until the first collective whose values it
+        reads differ so, such a rank runs what this one runs, and ranks that first differ alike run
+        alike after (``world.split_roles``)."""
+        r, n, ranks = _group(bound)
+        places = {}
+        with _disable_current_modes():
+            mine = _received(name, bound, self.get, r, n)
+            for place in range(n) if mine is not None else ():
+                theirs = _received(name, bound, self.get, place, n)
+                if place != r and not _same(mine, theirs):
+                    places[place] = (len(self._diverged_at), tuple(theirs.shape), theirs.numpy().tobytes())
+        self._diverged_at.append((ranks, places))
+        return len(self._diverged_at) - 1
 
     @staticmethod
     def _followable(func, out) -> bool:
@@ -246,6 +277,24 @@ def _chunk(x: torch.Tensor, splits, r: int, n: int) -> torch.Tensor:
     return x.narrow(0, sum(sizes[:r]), sizes[r])
 
 
+_REDUCE_SCATTER, _ALL_TO_ALL = ("_reduce_scatter_base", "reduce_scatter_tensor"), ("alltoall_base", "all_to_all_single")
+
+
+def _received(name: str, bound: dict, shadow, place: int, n: int) -> torch.Tensor | None:
+    """What the rank at ``place`` of a group of ``n`` gets from a collective that hands ranks
+    different parts (a reduce-scatter's chunk, an all-to-all's), in a job whose every rank holds
+    this rank's inputs; None where every rank gets the same."""
+    if name in _REDUCE_SCATTER:
+        return _chunk(shadow(bound.get("input_tensor", bound.get("input"))), (), place, n)
+    if name in _ALL_TO_ALL:
+        return _chunk(shadow(bound["input"]), bound["input_split_sizes"], place, n)
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
 def _exchanged(name: str, bound: dict, shadow) -> list[torch.Tensor] | None:
     """The outputs of the collective ``name`` (c10d's or a functional one) in a job whose every
     rank holds this rank's inputs: from ``shadow`` of its inputs; None where the rule is not known
@@ -266,10 +315,9 @@ def _exchanged(name: str, bound: dict, shadow) -> list[torch.Tensor] | None:
     if name == "allgather":
         x = shadow(bound["input_tensors"][0]) if len(bound["input_tensors"]) == 1 else None
         return None if x is None else [x.clone() for _ in bound["output_tensors"][0]]
-    if name in ("_reduce_scatter_base", "reduce_scatter_tensor"):
-        x = shadow(bound.get("input_tensor", bound.get("input")))
-        return None if x is None else [_reduced(_chunk(x, (), r, n), bound["reduce_op"], n)]
-    if name in ("alltoall_base", "all_to_all_single"):
-        x = shadow(bound["input"])
-        return None if x is None else [torch.cat([_chunk(x, bound["input_split_sizes"], r, n)] * n)]
+    if name in _REDUCE_SCATTER or name in _ALL_TO_ALL:
+        if shadow(bound.get("input_tensor", bound.get("input"))) is None:
+            return None
+        chunk = _received(name, bound, shadow, r, n)
+        return [torch.cat([chunk] * n) if name in _ALL_TO_ALL else _reduced(chunk, bound["reduce_op"], n)]
     return None

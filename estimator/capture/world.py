@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -301,13 +301,14 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     return tuple(tuple(ranks) for ranks in groups.values())
 
 
-def split_roles(roles: tuple[tuple[int, ...], ...], groups, model: nn.Module,
-                mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
-    """``roles`` split by each rank's place in the collectives' ``groups`` (this rank's, as tuples
-    of global ranks) whose values the step read: what it receives follows that place.  A group is
-    a dim of a mesh the model's DTensors are on (expert parallelism's ``ep``): every rank's place
-    is its coordinate along that dim; for a group no such dim gives, a rank outside it is a role of
-    its own."""
+def split_roles(roles: tuple[tuple[int, ...], ...], groups: Mapping[tuple[int, ...], Mapping[int, tuple]],
+                model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
+    """``roles`` split by what each rank received from the collectives whose values the step read:
+    ``groups`` maps each such group (this rank's, as a tuple of global ranks) to the places in it
+    whose values first differed from this rank's, with what they got then (``Shadows._diverged``);
+    ranks at other places run what this rank runs.  A group is a dim of a mesh the model's DTensors
+    are on (expert parallelism's ``ep``): every rank's place is its coordinate along that dim; for
+    a group no such dim gives, a rank outside it is a role of its own."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -315,17 +316,18 @@ def split_roles(roles: tuple[tuple[int, ...], ...], groups, model: nn.Module,
     meshes = {t.device_mesh for t in itertools.chain(model.parameters(), model.buffers()) if isinstance(t, DTensor)}
     dims = {tuple(dist.get_process_group_ranks(on.get_group(d))): (on, d)
             for on in sorted(meshes, key=repr) for d in range(on.ndim)}
-    places: dict[int, list] = {rank: [] for ranks in roles for rank in ranks}
-    for group in sorted(groups):
+    received: dict[int, list] = {rank: [] for ranks in roles for rank in ranks}
+    for group, diverged in sorted(groups.items()):
         on, d = dims.get(group, (None, None))
         coordinates = None if on is None else _mesh_coordinates(on, world)
-        for rank, place in places.items():
-            place.append(coordinates[rank][d] if coordinates else group.index(rank) if rank in group else -1 - rank)
+        for rank, got in received.items():
+            place = coordinates[rank][d] if coordinates else group.index(rank) if rank in group else None
+            got.append(-1 - rank if place is None else diverged.get(place))
     out: list[tuple[int, ...]] = []
     for ranks in roles:
         split: dict[tuple, list[int]] = {}
         for rank in ranks:
-            split.setdefault(tuple(places[rank]), []).append(rank)
+            split.setdefault(tuple(received[rank]), []).append(rank)
         out.extend(tuple(r) for r in split.values())
     return tuple(out)
 
