@@ -18,13 +18,16 @@ run's), a shape that differs from the fake's hint (data-dependent sizes), or mor
 
 A collective (on the fake process group of ``Strategy(mesh=)``) brings the other ranks' values:
 its outputs get those of a job whose every rank holds this rank's (``_exchanged``), marked
-``EXCHANGED`` so the capture can say so and tell the ranks apart by their place in the group.
-A module's integer arguments can be seeded too (``seed``: the probe's, for a router's indices), and
-so can a router's top-k picks where no real run gives them (``routing.py``), marked ``routed``.
+``EXCHANGED`` so the capture can say so and tell the ranks apart by what each receives
+(``_diverged``).  A module's integer arguments can be seeded too (``seed``: the probe's, for a
+router's indices), and so can a router's top-k picks where no real run gives them (``routing.py``),
+marked ``ROUTED``.
 Marks follow the values: an op's outputs carry every mark of its inputs.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -209,7 +212,8 @@ class Shadows:
             for place in range(n) if mine is not None else ():
                 theirs = _received(name, bound, self.get, place, n)
                 if place != r and not _same(mine, theirs):
-                    places[place] = (len(self._diverged_at), tuple(theirs.shape), theirs.numpy().tobytes())
+                    got = hashlib.blake2b(theirs.numpy().tobytes(), digest_size=16).digest()
+                    places[place] = (len(self._diverged_at), tuple(theirs.shape), got)
         self._diverged_at.append((ranks, places))
         return len(self._diverged_at) - 1
 
