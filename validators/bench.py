@@ -584,6 +584,56 @@ def ranks_markdown(found: dict) -> str:
     ]) + "\n"
 
 
+EXPERTS_MARKS = ("<!-- experts -->", "<!-- /experts -->")
+EXPERT_RANKS = (8, 64)
+
+
+def experts_case() -> dict:
+    """Mixtral-8x7B's config on the meta device (bf16, AdamW, 4,096 tokens per rank, the CUDA target),
+    FSDP2 over ``EXPERT_RANKS`` ranks with its 8 experts split over 8 of them by its own plans, its
+    routers' picks assumed (``estimator/capture/routing.py``) at their bound and balanced."""
+    import functools
+
+    import estimator
+    from estimator import Strategy, own_plans
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig()).to(torch.bfloat16)
+    ids = torch.randint(0, 32000, (1, 4096))
+    found = {}
+    for ranks in EXPERT_RANKS:
+        for policy in ("max", "balanced"):
+            t = time.perf_counter()
+            rep = estimator.report(model, {"input_ids": ids, "labels": ids}, batch=1, data_dependent=policy,
+                                   device="cuda", strategy=Strategy(mesh={"fsdp": ranks},
+                                                                    parallelize=functools.partial(own_plans, ep=8)))
+            found[f"{ranks} {policy}"] = {"report_s": time.perf_counter() - t,
+                                          "roles": [(len(r.ranks), r.report.peak_bytes) for r in rep.ranks]}
+    return found
+
+
+def experts_markdown(found: dict) -> str:
+    def roles(r: dict) -> str:
+        return " and ".join(f"{peak / 2**30:.1f} GiB on {n:,} rank{'s' if n > 1 else ''}" for n, peak in r["roles"])
+
+    return "\n".join([
+        EXPERTS_MARKS[0],
+        "## Experts",
+        "",
+        "Mixtral-8x7B's config on the meta device (bf16, AdamW, one sequence of 4,096 tokens per rank, the CUDA "
+        "target; `python -m validators.bench --experts`): FSDP2 over all ranks, the 8 experts split over each group "
+        "of 8 by its own plans (`own_plans(ep=8)`: transformers' all-to-all token dispatch). No weights, so no "
+        "routing: the routers' picks are assumed (`estimator/capture/routing.py`), at their bound (the default: every "
+        "token to the same 2 experts, whose ranks receive every rank's tokens) or balanced "
+        "(`data_dependent=\"balanced\"`). Ranks are captured once per group that holds the same shard shapes (over "
+        "64 ranks, a router's 8-row weight: 8 ranks hold a row, 56 none) and receives alike: "
+        + "; ".join(f"{key.replace('max', 'the bound').replace(' ', ' ranks, ', 1)}: {roles(r)} ({r['report_s']:.1f} s)"
+                    for key, r in found.items()) + ".",
+        EXPERTS_MARKS[1],
+    ]) + "\n"
+
+
 COMPARE_MARKS = ("<!-- compare -->", "<!-- /compare -->")
 
 
@@ -630,11 +680,14 @@ def main(argv=None) -> int:
                         "--out")
     parser.add_argument("--ranks", action="store_true", help="run the ranks case only and write its section of "
                         "--out")
+    parser.add_argument("--experts", action="store_true", help="run the experts case only and write its section "
+                        "of --out")
     args = parser.parse_args(argv)
     for wanted, case, markdown, marks in ((args.generate, generate_case, generate_markdown, GENERATE_MARKS),
                                           (args.depth, depth_case, depth_markdown, DEPTH_MARKS),
                                           (args.compare, compare_case, compare_markdown, COMPARE_MARKS),
-                                          (args.ranks, ranks_case, ranks_markdown, RANKS_MARKS)):
+                                          (args.ranks, ranks_case, ranks_markdown, RANKS_MARKS),
+                                          (args.experts, experts_case, experts_markdown, EXPERTS_MARKS)):
         if wanted:  # one section of --out
             found = case()
             print(json.dumps(found), flush=True)
@@ -660,7 +713,7 @@ def main(argv=None) -> int:
         results.append(result)
     args.out.write_text(to_markdown(results, speed, cold) + "\n" + compare_markdown(compare) + "\n"
                         + generate_markdown(generate_case()) + "\n" + depth_markdown(depth_case()) + "\n"
-                        + ranks_markdown(ranks_case()) + "\n")
+                        + ranks_markdown(ranks_case()) + "\n" + experts_markdown(experts_case()) + "\n")
     return 0
 
 
