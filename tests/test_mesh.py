@@ -599,6 +599,14 @@ def test_ranks_are_split_by_what_they_first_receive_otherwise():
     assert world.split_roles(((0, 1, 2, 3),), {(0, 1, 2, 3): {}}, nn.Linear(1, 1), (("dp", 4),)) == ((0, 1, 2, 3),)
     diverged = {(0, 1, 2, 3): {2: got, 3: got, 1: (1, (1,), b"\x00")}}
     assert world.split_roles(((0, 1, 2, 3),), diverged, nn.Linear(1, 1), (("dp", 4),)) == ((0,), (1,), (2, 3))
+    # the roles fitted captures at several batch sizes agree on (orchestrate/path.py): those of each
+    from types import SimpleNamespace
+
+    from estimator.orchestrate.path import _agreed
+
+    at = [SimpleNamespace(roles=roles) for roles in (((0, 1, 2, 3),), ((0, 1), (2, 3)), ((0, 2), (1, 3)))]
+    assert _agreed(at[:1]) == ((0, 1, 2, 3),) and _agreed(at) == ((0,), (1,), (2,), (3,))
+    assert _agreed(at[:2]) == ((0, 1), (2, 3))
     # a group of two of the four ranks: the ranks outside it are roles of their own
     assert world.split_roles(((0, 1, 2, 3),), {(0, 1): {}}, nn.Linear(1, 1), (("dp", 4),)) == ((0, 1), (2,), (3,))
 

@@ -221,8 +221,8 @@ class NodeMemory(Mapping):
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     """Fit concrete captures; returns the timeline, the graph, the last valid b, a note, and the
-    notes (host-measured kernels, data-dependent sizes), data-dependent sizes and rank roles of
-    the first capture.
+    notes (host-measured kernels, data-dependent sizes) and data-dependent sizes of the first
+    capture, and the rank roles all captures agree on.
 
     The captures are at ``hint``, ``hint + k`` and ``4 * hint`` (``k``: the accumulated
     micro-batches, whose number must divide every captured batch; far apart, so that memory
@@ -244,9 +244,10 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
     batches, raws = [hint, next_, far], [*near, raw]
     timelines = [account(r) for r in raws]
     note = f"symbolic capture failed ({why}); the formula is fitted from fake runs at b = {hint}, {next_}, {far}"
+    roles = _agreed(raws)
     try:
         return (fit_timelines(batches, timelines), raws[0].graph, valid_to, note, raws[0].notes,
-                raws[0].data_dependent, raws[0].roles)
+                raws[0].data_dependent, roles)
     except NotPolynomial:
         fitted = fit_timelines([hint, far], [timelines[0], timelines[-1]], exact=False)
         deviation = max(
@@ -257,7 +258,22 @@ def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):
             f"line through b = {hint} and {far} is exact at b = {hint}, off by {deviation:,} B at most at the "
             "other captures, and elsewhere by up to a page per rounded buffer"
         )
-        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent, raws[0].roles
+        return fitted, raws[0].graph, valid_to, note, raws[0].notes, raws[0].data_dependent, roles
+
+
+def _agreed(raws) -> tuple[tuple[int, ...], ...]:
+    """The ranks' roles every capture agrees on: ranks that share a role in each (what a rank
+    receives can differ from another's at one batch size only: a balanced routing that divides
+    the tokens evenly at one size and not at the next)."""
+    together: dict[int, list[int]] = {}
+    for raw in raws:
+        for i, ranks in enumerate(raw.roles):
+            for rank in ranks:
+                together.setdefault(rank, []).append(i)
+    split: dict[tuple[int, ...], list[int]] = {}
+    for rank, where in together.items():
+        split.setdefault(tuple(where), []).append(rank)
+    return tuple(tuple(ranks) for ranks in split.values())
 
 
 def _static(model, sample, spec: StepSpec, hint: int, timeline: Timeline, seq: int | None, path: CapturePath,
