@@ -27,13 +27,15 @@ def assumed_note(keys) -> tuple[str, ...]:
 def exchanged_note(keys, routed: bool = False) -> tuple[str, ...]:
     """The note on values a collective brought from the other ranks (``shadows.py``); ``routed``:
     the router's picks they follow were assumed (``routed_note``)."""
+    if not keys:
+        return ()
     how = "as the note on the router's picks says)" if routed else (
         "as the sample's are routed, by the weights as given: training moves the routing). Exact when the ranks' "
         "batches route alike; where they differ, a rank may receive more (its experts' tokens: up to every "
         "rank's), which this does not bound")
     return (f"{len(keys)} value(s) read at {_lines(keys)} came from the other ranks through collectives (an "
             "all-to-all of expert parallelism's token counts, an all-reduce of a token count): taken as in a job "
-            f"whose every rank holds this rank's values (here: routes its tokens {how}",) if keys else ()
+            f"whose every rank holds this rank's values (here: routes its tokens {how}",)
 
 
 def host_note(keys) -> tuple[str, ...]:
