@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from estimator.capture.records import Decoding, RawCapture, RunMarks
+from estimator.vocab import progress
 from estimator.vocab.bookkeeping import collector_paused
 from estimator.vocab.categories import Born, Category, Phase
 from estimator.vocab.symbolic import ZERO, Poly, fit
@@ -24,7 +25,7 @@ _TEMP = _INDEX[Category.TEMPORARY]
 Vector = tuple[Poly, ...]  # bytes per category, in CATEGORIES order
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OpMemory:
     """Memory at one op of the step."""
 
@@ -154,8 +155,17 @@ def _sum(vector: Vector) -> Poly:
     return total
 
 
+CHUNK = 1 << 16  # the ops a progress bar moves by
+
+
 @collector_paused()
 def account(raw: RawCapture) -> Timeline:
+    """The bytes alive by category at each op of ``raw``, and its storages' lifetimes."""
+    with progress.task("accounting", total=len(raw.ops), unit="op") as bar:  # a long generate(): seconds
+        return _account(raw, bar)
+
+
+def _account(raw: RawCapture, bar: progress.Bar) -> Timeline:
     current = [ZERO] * len(CATEGORIES)
     freed_after: dict[int, int] = {}
     for i, event in enumerate(raw.ops):
@@ -174,13 +184,15 @@ def account(raw: RawCapture) -> Timeline:
     nothing = (ZERO,) * len(CATEGORIES)
     live = tuple(current)  # shared by the ops between which nothing is allocated or freed
     for i, event in enumerate(raw.ops):
+        if not (i + 1) % CHUNK:
+            bar.update(CHUNK)
         allocated = nothing
         if event.allocs:
             made = [ZERO] * len(CATEGORIES)
             for sid in event.allocs:
                 storage = raw.storages[sid]
                 k = _INDEX[storage.category]
-                made[k] += storage.nbytes
+                made[k] = storage.nbytes if made[k] is ZERO else made[k] + storage.nbytes
                 current[k] += storage.nbytes
                 total += storage.nbytes
             allocated, live = tuple(made), tuple(current)
@@ -193,6 +205,7 @@ def account(raw: RawCapture) -> Timeline:
         if event.frees:
             live = tuple(current)
 
+    bar.update(len(raw.ops) % CHUNK)
     storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
     return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
                     tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)

@@ -1,7 +1,8 @@
 """``estimator.progress()``: the progress of long work as bars on the terminal.
 
 A capture that cannot be shortened, the CPU target's host-kernel measurements on an empty
-cache and ``compare``/``plan`` can take from seconds to minutes; the stages report to
+cache, ``compare``/``plan`` and the accounting and allocator replay of a long ``generate()``
+can take from seconds to minutes; the stages report to
 ``vocab.progress`` and this face draws what they report with tqdm.  The Python API stays quiet
 unless asked (``with estimator.progress(): ...``); the command line shows bars when its
 standard error is a terminal.  A bar appears only once its work has run for ``DELAY`` seconds.

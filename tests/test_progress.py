@@ -63,6 +63,24 @@ def test_capture_reports_every_op_it_records():
     assert seam._REPORTER.get() is None  # restored
 
 
+def test_accounting_and_the_allocator_replay_report_their_ops():
+    """After the capture, a long ``generate()``'s million ops take seconds to account and to replay
+    through the caching-allocator model: each reports the ops it walks.  The replay walks the ops
+    that allocate or free (``_Plan.program``, the end of the step one more) once per step it
+    replays: the run's steps, and the benchmark protocol's second step."""
+    from estimator.devices import cuda, cuda_run
+
+    recorded = _Recorded()
+    with seam.reporting(recorded):
+        rep = estimator.report(_mlp(), torch.randn(4, 8), optimizer="sgd", device="cuda")
+    (accounting,) = recorded.named("accounting")
+    assert (accounting.n, accounting.total, accounting.unit, accounting.closed) == \
+        (len(rep.timeline.ops), len(rep.timeline.ops), "op", True)
+    (replay,) = recorded.named("CUDA caching-allocator replay")
+    program = cuda_run._Plan(rep.timeline, rep.batch, [(i, 0) for i in cuda.cublas_first_uses(rep.timeline)]).program
+    assert (replay.n, replay.unit, replay.closed) == ((rep.cuda.steps + 1) * len(program), "op", True)
+
+
 def test_host_kernels_and_comparisons_report_their_units(tmp_path, monkeypatch):
     """A GroupNorm on the CPU target is measured on the host: on an empty cache every distinct call
     runs once, each a unit of the bar; ``estimate_each`` (compare/plan) counts its steps."""

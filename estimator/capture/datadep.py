@@ -60,7 +60,9 @@ class NeedsProbe(CaptureError):
     ``after_topk``: a ``torch.topk`` of scores no shadow knows ran before it (a router's picks,
     which a ``Policy.routing`` would give: ``routing.py``)."""
 
-    after_topk = False
+    def __init__(self, message: str, after_topk: bool = False) -> None:
+        super().__init__(message)
+        self.after_topk = after_topk
 
 
 # -- call sites ---------------------------------------------------------------------------
@@ -307,9 +309,9 @@ class DataDependent(TorchDispatchMode):
         if args[0].is_floating_point():
             self.assumed[key] = None
             return 0.0
-        exc = NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it")
-        exc.after_topk = self.unrouted
-        raise exc
+        # (raised without a local name: a frame holding its own exception would keep the capture's frames, and
+        # the run they recorded, alive until the cyclic collector runs)
+        raise NeedsProbe(f"a data-dependent value ({key}): only a real run of the model can give it", self.unrouted)
 
 
 def probing() -> Probe | None:

@@ -267,24 +267,37 @@ class _Extension:
         # the step before the one being built: its storages by (offset, index); the template's are
         # freed by the first built step, as the pattern says (no longer by the captured last step)
         previous = {(self.slot[s].offset, self.slot[s].index): s for op in template_ops for s in op.allocs}
+        # per template op, its outputs' storages and moves, and where they stand in a step's list of
+        # outputs; the frees of each step as (op offset, output's place, whether the step before's)
+        place = {}
+        outputs = []
+        for offset, op in enumerate(template_ops):
+            outs = []
+            for k, (sid, move) in enumerate(zip(op.allocs, moves[offset][0])):
+                place[offset, k] = len(place)
+                outs.append((storages[sid], move if move != ZERO else None))
+            scratch = moves[offset][1]
+            outputs.append((op, outs, scratch if any(m != ZERO for m in scratch) else None))
+        frees = [(fate[1], place[at], fate[0] == 1) for at, fate in pattern.items() if fate is not None]
+        previous = [previous[at] for at in place]
         for step in range(1, extra + 1):
-            start, mine = len(ops), {}
-            for offset, op in enumerate(template_ops):
-                sizes, scratch = moves[offset]
+            start, mine = len(ops), []
+            for offset, (op, outs, scratch) in enumerate(outputs):
                 allocs = []
-                for k, (sid, move) in enumerate(zip(op.allocs, sizes)):
-                    key = mine[offset, k] = next(keys)
-                    made[key] = _moved(storages[sid], move * step, start + offset)
+                for storage, move in outs:
+                    key = next(keys)
+                    made[key] = Storage(storage.nbytes if move is None else storage.nbytes + move * step,
+                                        storage.category, start + offset, storage.extra, storage.owner, storage.born)
                     allocs.append(key)
+                mine.extend(allocs)
                 ops.append(OpEvent(op.name, op.node, op.phase, op.module, allocs, [],
+                                   op.scratch if scratch is None else
                                    tuple(s + m * step for s, m in zip(op.scratch, scratch)), op.kernel, op.owner,
                                    stream=op.stream))
-            for (offset, k), fate in pattern.items():
-                if fate is not None and fate[0] == 1:  # the step before's, freed here
-                    ops[start + fate[1]].frees.append(previous[offset, k])
-                if fate is not None and fate[0] == 0:  # its own
-                    ops[start + fate[1]].frees.append(mine[offset, k])
+            for offset, at, before in frees:  # the step before's, or its own
+                ops[start + offset].frees.append(previous[at] if before else mine[at])
             previous = mine
+        previous = {at: previous[n] for at, n in place.items()}
         # the last step, moved to call n - 1: what the step before made it frees as the captured
         # last step freed the template's; what earlier calls made, as captured
         shift, moved = len(ops) - keep, {}

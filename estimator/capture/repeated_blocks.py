@@ -33,8 +33,9 @@ capture of every block, event by event, and says so in the notes:
 ``generate()`` too, with a dynamic cache of full-attention layers: it holds one layer per block
 (``cache.layers[layer_idx]``), the layers the shallow run does not reach stay empty, and
 ``Decoding.layer_bytes`` (each layer's bytes per token) is completed with the template's; the
-decode steps' own extension has run before.  Static and sliding-window caches make a tensor for
-every layer when they are made (``_per_layer_state``): those capture every block.
+decode steps' own extension runs after (on the few calls' capture at full depth).  Static and
+sliding-window caches make a tensor for every layer when they are made (``_per_layer_state``):
+those capture every block.
 A user's step runs on the shallow copy as the built-in one does; code of it that names the user's
 model (a closure, a global) gets the copy too (``map_originals``), and code that reaches a block the
 copy leaves out fails there: every block is then captured.  Not tried (the full capture): a compiled
@@ -236,11 +237,12 @@ def map_originals(model: nn.Module, memo: dict[int, Any]) -> None:
 
 
 def _copied(item: OpEvent | Storage, **changes) -> OpEvent | Storage:
-    """``dataclasses.replace`` of an op or a storage (plain dataclasses, their ``__init__`` checks
-    nothing) without calling ``__init__``: the extension makes one per built op, a million for a
-    long ``generate()``."""
+    """``dataclasses.replace`` of an op or a storage (plain slotted dataclasses, their ``__init__``
+    checks nothing) without calling ``__init__``: the extension makes one per built op, a million
+    for a long ``generate()``."""
     new = object.__new__(type(item))
-    new.__dict__.update(item.__dict__, **changes)
+    for name in type(item).__slots__:
+        setattr(new, name, changes[name] if name in changes else getattr(item, name))
     return new
 
 

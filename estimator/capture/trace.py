@@ -96,8 +96,8 @@ def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, sy
     if blocks is None:
         return _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
     try:
-        shallow = _capture_generated(repeated_blocks.shallow(model, blocks), sample, spec, batch, symbolic, seq_dims)
-        return repeated_blocks.extend(shallow, blocks)
+        return _capture_generated(repeated_blocks.shallow(model, blocks), sample, spec, batch, symbolic, seq_dims,
+                                  blocks)
     except Exception as exc:  # noqa: BLE001 (code that counts the blocks, indexes them: the full model runs)
         reason = exc if isinstance(exc, repeated_blocks.NotRepeating) else f"the shallow copy failed: {exc}"
     raw = _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
@@ -107,17 +107,23 @@ def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, sy
 
 
 def _capture_generated(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
-                       seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
-    """``_capture_probed``; ``generate()`` with many new tokens from a run of a few calls of the
-    model extended to all of them (``decode_steps``), or every call where the steps do not repeat."""
+                       seq_dims: dict[int, tuple[int, ...]] | None = None,
+                       blocks: repeated_blocks.Plan | None = None) -> RawCapture:
+    """``_capture_probed``, of a shallow copy's blocks extended to ``blocks`` where given; then
+    ``generate()`` with many new tokens from a run of a few calls of the model extended to all of
+    them (``decode_steps``: after the blocks, so that it builds every step once, at full depth),
+    or every call where the steps do not repeat."""
+    def deep(raw: RawCapture) -> RawCapture:
+        return raw if blocks is None else repeated_blocks.extend(raw, blocks)
+
     short = decode_steps.shortened(spec)
     if short is None:
-        return _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+        return deep(_capture_probed(model, sample, spec, batch, symbolic, seq_dims))
     try:
-        return decode_steps.extend(_capture_probed(model, sample, short, batch, symbolic, seq_dims),
+        return decode_steps.extend(deep(_capture_probed(model, sample, short, batch, symbolic, seq_dims)),
                                    spec.step.new_tokens)
     except decode_steps.NotRepeating as exc:
-        raw = _capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+        raw = deep(_capture_probed(model, sample, spec, batch, symbolic, seq_dims))
         raw.notes += (f"generate(): every decode step was captured ({spec.step.new_tokens} calls of the model), as "
                       f"a run of {decode_steps.CALLS} did not prove the steps repeat: {exc}",)
         return raw

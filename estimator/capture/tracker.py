@@ -38,7 +38,7 @@ _SKIP = {
 }
 
 
-@dataclass
+@dataclass(slots=True)
 class Storage:
     nbytes: Any  # int, or a SymInt's sympy expression in the shape-env symbols
     category: Category
@@ -48,7 +48,7 @@ class Storage:
     born: Born | None = None  # state alive before the step: when it came to be in a run (None: made by the step)
 
 
-@dataclass
+@dataclass(slots=True)
 class OpEvent:
     name: str  # aten overload, e.g. "aten.addmm.default"
     node: str  # the fx node recorded for this op

@@ -47,10 +47,12 @@ from dataclasses import dataclass
 
 from estimator.account import Timeline
 from estimator.devices.cuda_allocator import AllocatorStats, CachingAllocatorModel
+from estimator.vocab import progress
 from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.categories import Birth, Category, Phase
 
 MAX_STEPS = 16  # steps replayed at most
+CHUNK = 1 << 16  # the ops a progress bar moves by
 STABLE = 4  # ... or until the figures have not changed for this many steps (a layout that drifts slowly)
 
 
@@ -93,18 +95,19 @@ def replay_both(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: li
     call in a run, freed at once in the benchmark's protocol), so that part is replayed once and
     the allocator's state copied.  The step's replay runs first: an ``OutOfMemory`` is raised as by
     ``replay_step`` then ``replay_run``."""
-    run = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total)
-    run.step_ops()  # the first step's
-    step = run.fork().warm_up_protocol().steps(2, reset_after_first=True).stats
-    return run.steps(MAX_STEPS), step
+    with progress.task("CUDA caching-allocator replay", unit="op") as bar:  # a long generate(): seconds
+        run = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total, bar)
+        run.step_ops()  # the first step's
+        step = run.fork().warm_up_protocol().steps(2, reset_after_first=True).stats
+        return run.steps(MAX_STEPS), step
 
 
 class _Replay:
     """The allocator's state over a replayed run of ``plan``'s steps."""
 
     def __init__(self, plan: _Plan, timeline: Timeline, cfg: AllocatorConfig, capacity: int | None,
-                 device_total: int | None) -> None:
-        self.plan, self.n_ops = plan, len(timeline.ops)
+                 device_total: int | None, bar: progress.Bar = progress.SILENT) -> None:
+        self.plan, self.n_ops, self.bar = plan, len(timeline.ops), bar
         self.alloc = CachingAllocatorModel(cfg, capacity, device_total=device_total)
         self.handles: dict[Hashable, int] = {}
         self.previous: list[tuple[int, int]] = []  # the previous step's output and loss: (handle, bytes)
@@ -148,7 +151,9 @@ class _Replay:
                 new(key, plan.sizes[key])
         for key in plan.frees.get(-1, ()):
             drop(key)
-        for i in range(self.n_ops + 1):
+        for n, (i, allocs, scratch, stream, frees) in enumerate(plan.program, 1):
+            if not n % CHUNK:
+                self.bar.update(CHUNK)
             if first:
                 for key, nbytes in plan.born.get(i, ()):
                     new(key, nbytes)
@@ -158,13 +163,14 @@ class _Replay:
                 self.previous, self.carried[0] = [], 0
             if i == self.n_ops:
                 break
-            for key in plan.allocs.get(i, ()):
-                new(key, plan.sizes[key], plan.streams[i])
-            if plan.scratch[i]:
-                new("scratch", plan.scratch[i], plan.streams[i])
+            for key, nbytes in allocs:
+                new(key, nbytes, stream)
+            if scratch:
+                new("scratch", scratch, stream)
                 drop("scratch")
-            for key in plan.frees.get(i, ()):
+            for key in frees:
                 drop(key)
+        self.bar.update(len(plan.program) % CHUNK)
         self.done += 1
 
     def steps(self, max_steps: int, reset_after_first: bool = False) -> Run:
@@ -209,10 +215,9 @@ class _Plan:
         storages = timeline.storages
         self.sizes = {k: nbytes(b) for k, (nbytes, *_) in enumerate(storages)}
         births = timeline.births or (None,) * len(storages)  # unknown: state loaded first, in storage order
-        self.allocs: dict[int, list[int]] = {}
+        allocs: dict[int, list[int]] = {}
         self.frees: dict[int, list[int]] = {}
-        self.scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
-        self.streams = [op.stream for op in timeline.ops]  # what each op allocates is on its stream
+        scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
         self.born: dict[int, list[tuple[Hashable, int]]] = {}
         self.survivors: list[int] = []
         load, setup, self.batch = [], [], []
@@ -223,7 +228,7 @@ class _Plan:
             if freed is not None:
                 self.frees.setdefault(freed, []).append(k)
             if op >= 0:
-                self.allocs.setdefault(op, []).append(k)
+                allocs.setdefault(op, []).append(k)
                 if freed is None:
                     self.survivors.append(k)
             elif born is None or born.when is Birth.LOAD:
@@ -242,6 +247,16 @@ class _Plan:
             self.born.setdefault(at, []).append((("workspace", n), nbytes))
         self.returns = timeline.marks.model_returns
         self.replaces = _replaced(timeline, self.survivors, self.sizes)
+        # the ops where anything happens, in order, up to the end of the step (op n: what comes after
+        # the last op), as (op, its outputs as (key, bytes), its scratch, its stream, what it frees);
+        # what an op allocates is on its stream
+        ops, n = timeline.ops, len(timeline.ops)
+        busy = {*allocs, *self.frees, *self.born, *(i for i, x in enumerate(scratch) if x), n}
+        if self.returns is not None:
+            busy.add(self.returns)
+        self.program = [(i, tuple((k, self.sizes[k]) for k in allocs.get(i, ())), scratch[i] if i < n else 0,
+                         ops[i].stream if i < n else 0, tuple(self.frees.get(i, ())))
+                        for i in sorted(busy) if 0 <= i <= n]
 
 
 def _replaced(timeline: Timeline, survivors: list[int], sizes: dict[int, int]) -> dict[int, int]:

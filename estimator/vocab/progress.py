@@ -1,10 +1,12 @@
 """Progress of the work that takes more than a few seconds, reported through one seam.
 
 The library never prints.  The stages whose work can take long report to ``task()``: a capture
-(the ops it records), the CPU target's host-kernel measurements (the calls it runs) and
-``compare``/``plan`` (the steps they capture).  ``task()`` hands out a bar that does nothing
-unless a face installed a reporter for the current context (``reporting``; the faces' one is
-``estimator.progress()``: tqdm bars, on by itself for the command line on a terminal).
+(the ops it records), the CPU target's host-kernel measurements (the calls it runs),
+``compare``/``plan`` (the steps they capture), and the accounting and the CUDA target's
+allocator replay of a long run (the ops they walk: a ``generate()`` of hundreds of tokens).
+``task()`` hands out a bar that does nothing unless a face installed a reporter for the current
+context (``reporting``; the faces' one is ``estimator.progress()``: tqdm bars, on by itself for
+the command line on a terminal).
 """
 
 from __future__ import annotations
