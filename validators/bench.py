@@ -381,9 +381,10 @@ def generate_markdown(found: dict) -> str:
         "(bf16, 8 prompts of 512 tokens, one run each): "
         + ", ".join(f"{n} new tokens {r['report_s']:.1f} s ({r['ops']:,} ops)" for n, r in found["llama3_8b"].items())
         + " (target for 512: <= 15 s). Its 6 calls of the model run 5 of the 32 layers (the repeated blocks, "
-        "`estimator/capture/repeated_blocks.py`); what is left grows with the built run's ops (the two extensions, "
-        "the accounting and the allocator replay of each op): a formula in the number of steps, not yet built, "
-        "would take it there.",
+        "`estimator/capture/repeated_blocks.py`), extended to 32 before the decode steps are built; what is left "
+        "grows with the built run's ops: the decode steps' extension, the accounting and the allocator replay (three "
+        "walks of the run's allocations) take each op of every built step, and the target needs them to take a "
+        "built step at once (docs/design.md, \"Where a long generate()'s time goes\").",
         GENERATE_MARKS[1],
     ])
 

@@ -154,19 +154,21 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     except datadep.NeedsProbe as exc:
         if spec.data_dependent.observed or spec.data_dependent.values:
             raise _unreached(exc, spec.data_dependent, spec) from None
-        try:
-            probed = _probed(model, probe_sample, spec)
-        except InputError:
-            routed = _routed(model, sample, spec, batch, symbolic, seq_dims) if exc.after_topk else None
-            if routed is not None:
-                return routed
-            stand_in = generation.narrow_stand_in(model) if spec.mode is Mode.GENERATE else None
-            if stand_in is None:
-                raise CaptureError(f"{_at(exc)}; the model's weights are on the meta device, so fxmem cannot run "
-                                   "it: build it with real (e.g. random) weights (command line: --device-init cpu)"
-                                   ) from None
-            return dataclasses.replace(_stood_in(model, stand_in, sample, probe_sample, spec, batch, symbolic,
-                                                 seq_dims), reads_values=True)
+        # what the rest needs of the stopped capture, outside this block: its frames, and all they
+        # hold, go with the exception before the next capture runs
+        stopped, after_topk = _at(exc), exc.after_topk
+    try:
+        probed = _probed(model, probe_sample, spec)
+    except InputError:
+        routed = _routed(model, sample, spec, batch, symbolic, seq_dims) if after_topk else None
+        if routed is not None:
+            return routed
+        stand_in = generation.narrow_stand_in(model) if spec.mode is Mode.GENERATE else None
+        if stand_in is None:
+            raise CaptureError(f"{stopped}; the model's weights are on the meta device, so fxmem cannot run it: "
+                               "build it with real (e.g. random) weights (command line: --device-init cpu)") from None
+        return dataclasses.replace(_stood_in(model, stand_in, sample, probe_sample, spec, batch, symbolic,
+                                             seq_dims), reads_values=True)
     try:
         raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=probed), batch, symbolic, seq_dims)
         return dataclasses.replace(raw, reads_values=True)
