@@ -264,11 +264,9 @@ class _Extension:
         template_ops = self._ops(TEMPLATE)
         made: dict[int, Any] = {}  # the storages the extension makes, in the order it makes them
         keys = itertools.count(max(storages, default=0) + 1)
-        # the step before the one being built: its storages by (offset, index); the template's are
-        # freed by the first built step, as the pattern says (no longer by the captured last step)
-        previous = {(self.slot[s].offset, self.slot[s].index): s for op in template_ops for s in op.allocs}
         # per template op, its outputs' storages and moves, and where they stand in a step's list of
-        # outputs; the frees of each step as (op offset, output's place, whether the step before's)
+        # outputs (``place``, by (op offset, output index)); the frees of each step as (op offset,
+        # output's place, whether the step before's)
         place = {}
         outputs = []
         for offset, op in enumerate(template_ops):
@@ -279,7 +277,9 @@ class _Extension:
             scratch = moves[offset][1]
             outputs.append((op, outs, scratch if any(m != ZERO for m in scratch) else None))
         frees = [(fate[1], place[at], fate[0] == 1) for at, fate in pattern.items() if fate is not None]
-        previous = [previous[at] for at in place]
+        # the step before the one being built: its storages in place order; the template's are freed by
+        # the first built step, as the pattern says (no longer by the captured last step)
+        previous = [sid for op in template_ops for sid in op.allocs]
         for step in range(1, extra + 1):
             start, mine = len(ops), []
             for offset, (op, outs, scratch) in enumerate(outputs):
@@ -297,7 +297,6 @@ class _Extension:
             for offset, at, before in frees:  # the step before's, or its own
                 ops[start + offset].frees.append(previous[at] if before else mine[at])
             previous = mine
-        previous = {at: previous[n] for at, n in place.items()}
         # the last step, moved to call n - 1: what the step before made it frees as the captured
         # last step freed the template's; what earlier calls made, as captured
         shift, moved = len(ops) - keep, {}
@@ -305,7 +304,7 @@ class _Extension:
             sizes, scratch = moves[offset]
             for sid, move in zip(op.allocs, sizes):
                 moved[sid] = _moved(storages[sid], move * extra, storages[sid].op + shift)
-            frees = [previous[self.slot[s].offset, self.slot[s].index]
+            frees = [previous[place[self.slot[s].offset, self.slot[s].index]]
                      if s in self.slot and self.slot[s].segment == TEMPLATE else s for s in op.frees]
             ops.append(dataclasses.replace(op, frees=frees,
                                            scratch=tuple(s + m * extra for s, m in zip(op.scratch, scratch))))
