@@ -270,6 +270,34 @@ def test_a_model_the_shallow_copy_cannot_run_is_captured_in_full():
     assert rep.peak_bytes == estimator.report(Stack(), torch.randn(4, 16), device="cpu").peak_bytes
 
 
+class FixedBatch(Stack):
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.reshape(2, -1).sum() if x.shape[0] == 4 else x.sum()  # the code fixes b: no symbol
+
+
+def test_a_symbolic_failure_keeps_the_shallow_copy(monkeypatch):
+    """A batch size the model's code fixes fails the symbolic capture whatever the depth: the
+    concrete captures that follow run on the shallow copy too, and no capture of every block runs
+    first (on Mixtral-8x7B's expert-parallel job that full-depth retry was half the report's time)."""
+    from estimator.capture import trace
+
+    runs = []
+    capture_probed = trace._capture_probed
+
+    def recorded(model, sample, spec, batch, symbolic, seq_dims=None):
+        runs.append((len(model.blocks), symbolic))
+        return capture_probed(model, sample, spec, batch, symbolic, seq_dims)
+
+    monkeypatch.setattr(trace, "_capture_probed", recorded)
+    rep = estimator.report(FixedBatch(), torch.randn(4, 16), device="cpu")
+    assert runs[:2] == [(5, True), (5, False)] and {depth for depth, _ in runs} == {5}
+    assert any("8 blocks from a capture of 5" in n for n in rep.notes)
+    with every_block():
+        assert _events(rep) == _events(estimator.report(FixedBatch(), torch.randn(4, 16), device="cpu"))
+
+
 USER = Stack()
 
 

@@ -98,6 +98,8 @@ def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, sy
     try:
         return _capture_generated(repeated_blocks.shallow(model, blocks), sample, spec, batch, symbolic, seq_dims,
                                   blocks)
+    except SymbolicCaptureFailed:  # the batch symbol's failure, not the depth's: the concrete captures use blocks too
+        raise
     except Exception as exc:  # noqa: BLE001 (code that counts the blocks, indexes them: the full model runs)
         reason = exc if isinstance(exc, repeated_blocks.NotRepeating) else f"the shallow copy failed: {exc}"
     raw = _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
@@ -189,6 +191,9 @@ def _routed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
         raw = _capture(model, sample, dataclasses.replace(spec, data_dependent=bound), batch, symbolic, seq_dims)
     except datadep.NeedsProbe:
         return None
+    except SymbolicCaptureFailed as exc:  # the captures that follow (b alone, concrete sizes) start at the bound
+        exc.data_dependent = bound
+        raise
     return dataclasses.replace(raw, reads_values=True)
 
 

@@ -90,6 +90,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         except SymbolicCaptureFailed as exc:  # with s symbolic: try again with b alone first
             if seq is None:
                 raise
+            spec = _as_found(spec, exc)
             log.info("s could not stay symbolic (%s); capturing with b symbolic only", exc)
             notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
             seq = None
@@ -103,6 +104,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         symbolic_regions = raw.symbolic_regions
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
+        spec = _as_found(spec, exc)
         path, guards, valid_from, symbolic_regions = CapturePath.CONCRETE, (), 2, False
         reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
@@ -217,6 +219,13 @@ class NodeMemory(Mapping):
 
     def __len__(self) -> int:
         return len(self._KEYS)
+
+
+def _as_found(spec: StepSpec, failed: SymbolicCaptureFailed) -> StepSpec:
+    """``spec`` with the data-dependent policy the failed capture had to take (a model on the meta
+    device whose routers' picks its step reads: their bound, ``capture/trace._routed``), so that
+    the captures after it start there instead of each stopping at the same value first."""
+    return spec if failed.data_dependent is None else dataclasses.replace(spec, data_dependent=failed.data_dependent)
 
 
 def _concrete(model, sample, spec: StepSpec, hint: int, why: Exception):

@@ -14,7 +14,12 @@ class CaptureError(FxmemError, RuntimeError):
 
 
 class SymbolicCaptureFailed(CaptureError):
-    """The symbolic-batch capture failed; the concrete fallback may still succeed."""
+    """The symbolic-batch capture failed; the concrete fallback may still succeed.
+    ``data_dependent``: the policy the failed capture had to take on the way (a router's picks at
+    their bound, ``capture/trace._routed``), for the captures that follow to start with; None
+    where it ran with the one asked."""
+
+    data_dependent = None
 
 
 class SequenceNotSymbolic(SymbolicCaptureFailed):
