@@ -84,7 +84,8 @@ def _later(guards: tuple, tokens: int) -> tuple:
 
 
 def _moved(storage: Storage, grown, op: int) -> Storage:
-    return Storage(storage.nbytes + grown, storage.category, op, storage.extra, storage.owner, storage.born)
+    nbytes = storage.nbytes if grown is ZERO else storage.nbytes + grown
+    return Storage(nbytes, storage.category, op, storage.extra, storage.owner, storage.born)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +287,7 @@ class _Extension:
                 allocs = []
                 for storage, move in outs:
                     key = next(keys)
-                    made[key] = Storage(storage.nbytes if move is None else storage.nbytes + move * step,
-                                        storage.category, start + offset, storage.extra, storage.owner, storage.born)
+                    made[key] = _moved(storage, ZERO if move is None else move * step, start + offset)
                     allocs.append(key)
                 mine.extend(allocs)
                 ops.append(OpEvent(op.name, op.node, op.phase, op.module, allocs, [],
