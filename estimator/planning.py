@@ -128,7 +128,8 @@ class Comparison:
 
 def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[dict[str, Strategy], list[str]]:
     """The strategies every guide names, for ``devices`` devices: one device, bf16 autocast,
-    ``torch.compile``, checkpointing every block, DDP, ZeRO-1/2/3, a 1F1B pipeline and, for a
+    ``torch.compile``, checkpointing every block, DDP, ZeRO-1/2/3, a 1F1B pipeline (and, on 4
+    or more devices, half as many stages with DDP over 2 pipelines) and, for a
     model that carries parallel plans, meshes of tensor parallelism and FSDP2
     (``mesh_strategies``); the ones the model or ``batch`` cannot take are left out (with the
     reason)."""
@@ -149,6 +150,9 @@ def default_strategies(model: nn.Module, batch: int, devices: int = 4) -> tuple[
             skipped.append(f"pipeline: b={batch} does not split into {devices} micro-batches")
         else:
             out[f"pipeline x{devices} (1F1B)"] = Strategy(pipeline=devices)
+            if devices >= 4 and devices % 2 == 0:  # the same micro-batch (b / devices): the same capture
+                out[f"pipeline x{devices // 2} x DDP 2 (1F1B)"] = Strategy(pipeline=devices // 2, data_parallel=2,
+                                                                           microbatches=devices)
         out |= mesh_strategies(model, devices)
     return out, skipped
 
@@ -429,7 +433,8 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     the gradients ``G`` and parameters ``P`` of the trainable parameters: DDP all-reduces G;
     ZeRO-1 adds the parameter broadcast (P); ZeRO-2 all-gathers P once and reduce-scatters G;
     ZeRO-3 all-gathers P twice (forward and backward).  Pipelines send activations: not
-    counted (0).  On a mesh, its data-parallel ranks are counted as ZeRO-3's (FSDP2) on the
+    counted (0); a pipeline's DDP all-reduces each stage's gradients, taken as ``P / S`` (the
+    cut's own shares are not used).  On a mesh, its data-parallel ranks are counted as ZeRO-3's (FSDP2) on the
     ``P / t`` each tensor-parallel group of ``t`` holds, and with expert parallelism over ``e``
     ranks the expert weights ``E`` as ZeRO-3's on the ``E / e`` each holds, over the ``n·t / e``
     ranks that hold the same experts; tensor parallelism's own traffic and expert parallelism's
@@ -445,6 +450,7 @@ def communication_bytes(model: nn.Module, strategy: Strategy) -> int:
     if n == 1:
         return 0
     share = (n - 1) / n
+    p //= strategy.pipeline
     volume = {None: 2 * p, Sharding.ZERO1: 3 * p, Sharding.ZERO2: 2 * p, Sharding.ZERO3: 3 * p}[strategy.sharding]
     # accumulating, DDP reduces once (no_sync); FSDP gathers and reduce-scatters every micro-step
     return round(share * volume * (strategy.accumulate if strategy.sharding in (Sharding.ZERO2, Sharding.ZERO3) else 1))

@@ -52,14 +52,15 @@ def test_compare_rows_against_single_device_reports():
 def test_compare_captures_each_step_once(captures):
     model, x = Net(), torch.randn(8, 64)
     result = estimator.compare(model, x, 8, devices=4, device="cpu", workers=1)  # every capture here, counted
-    # the default nine: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B)
-    # -> four captures: the plain step (shared by DDP, ZeRO and the pipeline), bf16, compiled, checkpointing;
+    # the default ten: single, bf16, compiled, checkpoint Linear, DDP, ZeRO-1/2/3, pipeline x4 (1F1B),
+    # pipeline x2 x DDP 2 -> four captures: the plain step (shared by DDP, ZeRO and both pipelines: their
+    # micro-batch is b / 4), bf16, compiled, checkpointing;
     # then the low-bit AdamW and QLoRA what-ifs whose libraries are installed, one capture each
     low_bit, _ = planning.default_optimizers("adamw")
     weights, _ = planning.default_weights(model)
     assert [r.label for r in result.rows] == [
         "single device", "AMP bf16", "compiled", "checkpoint Linear", "DDP x4", "ZeRO-1 x4", "ZeRO-2 x4",
-        "ZeRO-3 x4", "pipeline x4 (1F1B)", *low_bit, *weights]
+        "ZeRO-3 x4", "pipeline x4 (1F1B)", "pipeline x2 x DDP 2 (1F1B)", *low_bit, *weights]
     assert len(captures) == 4 + len(low_bit) + len(weights)
     assert result["compiled"].cost.startswith("compiles at the first step")
 

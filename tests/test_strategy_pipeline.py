@@ -82,6 +82,29 @@ def test_activations_of_the_micro_batches_in_flight():
     assert _most(one_f, Category.ACTIVATION) == 2 * 2 * 4096 + 4096 == 20480
 
 
+def test_data_parallel_stages_add_their_buckets():
+    # 2 stages x 2 replicas: ranks 0, 1 run stage 0 and ranks 2, 3 stage 1 (torchtitan's
+    # ("pp", "dp") layout).  DDP over a stage's replicas adds one bucket of its parameters'
+    # gradients, alive throughout: 2 x (16 * 16 + 16) x 4 B = 2,176 B (under the 1 MiB first
+    # bucket); nothing else (no buffers to broadcast), so every op is the pipeline's + 2,176 B.
+    kw = {"pipeline": 2, "microbatches": 2, "schedule": "gpipe", "split_points": ("seq.4",)}
+    alone, replicated = _report(16, 4, 8, **kw), _report(16, 4, 8, data_parallel=2, **kw)
+    assert [r.ranks for r in replicated.ranks] == [(0, 1), (2, 3)]
+    for a, r in zip(alone.ranks, replicated.ranks):
+        assert r.report.breakdown[Category.COMMUNICATION] - a.report.breakdown[Category.COMMUNICATION] == 2176
+        assert [op.total(8) for op in r.report.timeline.ops] == [op.total(8) + 2176 for op in a.report.timeline.ops]
+
+
+def test_the_loss_gradient_is_freed_by_each_stage_backward():
+    # The last stage runs one autograd backward per micro-batch (stage_backward): the loss's
+    # gradient (ones_like, 4 B) is freed at the end of each, not held to the end of the schedule
+    # as the capture's single backward holds it.
+    rep = _report(16, 4, 8, pipeline=2, microbatches=2, schedule="gpipe", split_points=("seq.4",))
+    timeline = rep.ranks[-1].report.timeline
+    seeds = [(at, freed) for _, _, at, freed in timeline.storages if timeline.ops[at].op == "aten.ones_like.default"]
+    assert len(seeds) == 2 and seeds[0][1] < seeds[1][0]
+
+
 def test_default_split_is_balanced():
     rep = _report(32, 4, 8, pipeline=2, schedule="gpipe")  # 4 equal blocks, equal stages
     assert [r.role for r in rep.ranks] == ["stage 0/2 (blocks 0:2)", "stage 1/2 (blocks 2:4)"]
@@ -133,3 +156,19 @@ def test_stages_match_measurement(schedule):
                                          f"tolerance {MAX_TOL} % per stage)")
             errors.append(abs(err))
     assert statistics.median(errors) <= MEDIAN_TOL, f"median |error| {statistics.median(errors):.3f} % > {MEDIAN_TOL} %"
+
+
+@pytest.mark.parametrize("schedule,views", [("gpipe", False), ("1f1b", True)])
+def test_data_parallel_stages_match_measurement(schedule, views):
+    # 2 stages x 2 DDP replicas (4 processes), 4 micro-batches of 16 per pipeline; with
+    # gradient_as_bucket_view the last backward's hook frees the gradients the first made.
+    ddp = {"gradient_as_bucket_view": True} if views else {}
+    measured = measure_ranks(f"pipeline-{schedule}", 4, functools.partial(sequential_mlp, 256, 4, 10), 128,
+                             microbatches=4, split_points=[4], data_parallel=2, **ddp)
+    rep = _report(256, 4, 64, 10, pipeline=2, data_parallel=2, microbatches=4, schedule=schedule,
+                  split_points=("seq.4",), **ddp)
+    predicted = {k: r.report.peak_bytes for r in rep.ranks for k in r.ranks}
+    for meas in measured:
+        err = 100 * (predicted[meas.rank] - meas.peak_bytes) / meas.peak_bytes
+        assert abs(err) <= 0.5, (f"rank {meas.rank} ({meas.role}): predicted {predicted[meas.rank]} B, "
+                                 f"measured {meas.peak_bytes} B ({err:+.3f} %; tolerance 0.5 %, issue 30's)")

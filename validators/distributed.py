@@ -49,7 +49,11 @@ accumulation, checkpointing and autocast each rank's step applies):
                     (default: world_size).  The sample must be ``(input, target)``; the last
                     stage computes ``loss_fn(output, (None, target_microbatch))``.
                     ``checkpoint=``: a module type whose instances run under
-                    ``torch.utils.checkpoint`` in each stage.
+                    ``torch.utils.checkpoint`` in each stage.  ``data_parallel=D``: ``D``
+                    pipelines of ``world_size / D`` stages (rank ``k * D + d``: stage ``k`` of
+                    pipeline ``d``), each stage's module under DDP over its replicas (the
+                    other options go to DDP), ``batch / D`` samples per pipeline; the stages
+                    are given their shapes (static mode, see ``_pipeline``).
 
 Not measured: memory gloo allocates outside the c10 CPU allocator (its own malloc'd buffers).
 A rank that raises, or a job that outlives ``timeout`` seconds, raises ``RankError`` (naming
@@ -414,7 +418,7 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
     wrapper = baseline - sum(state.values())
     # the allocator events up to the peak, for explaining a difference: (bytes, total - baseline, op)
     details: dict[str, Any] = {"events": [(d, t - baseline, op) for _, d, t, op in events[:at + 1]]}
-    if strategy in ("ddp", "zero1"):
+    if hasattr(model, "reducer"):  # DDP (of a pipeline stage too)
         # the reducer's buckets as they are now (rebuilt in the gradients' ready order after
         # the first iteration); _get_ddp_logging_data()'s bucket_sizes keeps the initial ones
         buckets = model.reducer._get_zeros_like_grad_buckets()
@@ -458,31 +462,60 @@ def _zero1(factory):
 
 
 def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, options):
+    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"{strategy} cuts an nn.Sequential into stages; got {type(model).__name__}")
-    microbatches = options.pop("microbatches", world)
-    starts = _split(model, world, options.pop("split_points", None))
+    # data_parallel: D replicas of the pipeline, each stage's replicas under DDP (ranks laid out as
+    # torchtitan's ("pp", "dp") mesh: rank = stage * D + replica); the other options go to DDP
+    replicas = options.pop("data_parallel", 1)
+    if world % replicas:
+        raise ValueError(f"{strategy}: {world} ranks do not make data_parallel={replicas} pipelines")
+    stages = world // replicas
+    k, d = divmod(rank, replicas)
+    microbatches = options.pop("microbatches", stages)
+    starts = _split(model, stages, options.pop("split_points", None))
     # checkpoint: a module type whose instances run under torch.utils.checkpoint (non-reentrant),
     # as estimator.vocab.strategy.Strategy(checkpoint=) does
     checkpoint = options.pop("checkpoint", None)
-    if options:
+    if options and replicas == 1:
         raise ValueError(f"{strategy}: unknown options {sorted(options)}")
-    if batch % microbatches:
-        raise ValueError(f"{strategy}: batch {batch} does not split into {microbatches} microbatches")
+    if batch % (replicas * microbatches):
+        raise ValueError(f"{strategy}: batch {batch} does not split into {replicas} x {microbatches} microbatches")
     bounds = [*starts, len(model)]
-    lo, hi = bounds[rank], bounds[rank + 1]
-    submod = model[lo:hi]
+    lo, hi = bounds[k], bounds[k + 1]
+    first, last = k == 0, k == stages - 1
+    submod, whole = model[lo:hi], model
     del model
-    sample = sample_fn(batch)
+    # every rank makes every group, in the same order (new_group is collective)
+    pp_groups = [dist.new_group([s * replicas + r for s in range(stages)]) for r in range(replicas)]
+    dp_groups = [dist.new_group([s * replicas + r for r in range(replicas)]) for s in range(stages)]
+    sample = sample_fn(batch // replicas)
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
         raise ValueError(f"{strategy}: sample_fn must return (input, target), got {type(sample).__name__}")
     x, target = sample
-    first, last = rank == 0, rank == world - 1
+    sample_shape = tuple(x.shape)
     held = (x if first else None, target if last else None)  # what this rank keeps alive
     del sample, x, target
-    stage = PipelineStage(submod, rank, world, torch.device("cpu"))
+    wrapped, shapes = submod, {}
+    if replicas > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # the stage's shapes given (static mode): the dynamic mode's metadata inference runs a
+        # backward through DDP outside no_sync, and the second step's bucket rebuild then fails
+        # (torch 2.13 reducer.cpp: "rebuilt parameter indices size is not same as original")
+        with torch.no_grad():
+            shapes["input_args"] = torch.empty(sample_shape[0] // microbatches, *sample_shape[1:])
+            for child in list(whole)[:lo]:
+                shapes["input_args"] = child(shapes["input_args"])
+            shapes["output_args"] = submod(shapes["input_args"]).requires_grad_()
+        # a received activation requires grad (its gradient is sent back), as the dynamic mode infers
+        shapes["input_args"].requires_grad_(not first)
+        shapes["input_grads"], shapes["output_grads"] = shapes["input_args"], shapes["output_args"]
+        wrapped = DDP(submod, process_group=dp_groups[k], **options)
+    del whole
+    stage = PipelineStage(wrapped, k, stages, torch.device("cpu"), group=pp_groups[d], **shapes)
     schedule_cls = ScheduleGPipe if strategy == "pipeline-gpipe" else Schedule1F1B
 
     def stage_loss(output, target_mb):
@@ -511,9 +544,9 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
         opt.zero_grad(set_to_none=True)
         return out
 
-    role = f"stage {rank}/{world} (children {lo}:{hi})"
+    role = f"stage {k}/{stages} (children {lo}:{hi})" + (f", replica {d}/{replicas}" if replicas > 1 else "")
     state_sample = [t for t in held if t is not None]
-    return submod, role, run, submod, state_sample, batch, opt
+    return wrapped, role, run, submod, state_sample, batch // replicas, opt
 
 
 class _InputOnly(nn.Module):

@@ -217,6 +217,12 @@ def cases() -> list[Case]:
         Case("pipeline 1F1B x2 + checkpoint Linear", "mlp",
              Strategy(pipeline=2, microbatches=4, split_points=s2, checkpoint=nn.Linear), 64, "pipeline-1f1b",
              {"split_points": [4], "checkpoint": nn.Linear}),
+        Case("pipeline GPipe x2 x DDP 2, 4 micro-batches", "mlp",
+             Strategy(pipeline=2, data_parallel=2, microbatches=4, schedule="gpipe", split_points=s2), 64,
+             "pipeline-gpipe", {"split_points": [4]}),
+        Case("pipeline 1F1B x2 x DDP 2, gradient_as_bucket_view", "mlp-classes",
+             Strategy(pipeline=2, data_parallel=2, microbatches=4, split_points=s2, gradient_as_bucket_view=True), 64,
+             "pipeline-1f1b", {"split_points": [4], "gradient_as_bucket_view": True}),
     ]
     return single + distributed + sharded + pipelines + meshes()
 
@@ -330,7 +336,7 @@ def run_case(case: Case) -> list[Row]:
     world = s.devices
     global_batch = case.batch * s.data_parallel
     if s.pipeline > 1:
-        options = {"microbatches": s.microbatches, **case.options}
+        options = {"microbatches": s.microbatches, "data_parallel": s.data_parallel, **case.options}
     else:
         options = case.options
     predicted = {rank: r.report.peak_bytes for r in rep.ranks for rank in r.ranks}

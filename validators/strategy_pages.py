@@ -142,13 +142,16 @@ def pages() -> list[Page]:
             "activations of the micro-batches in flight: all `m` with GPipe, at most `S - i` on stage `i` "
             "with 1F1B; plus what `torch.distributed.pipelining` keeps (receive buffers, outputs kept for "
             "backward). Default cut: balanced by memory; `split_points` names the blocks where stages 2.. "
-            "start.",
+            "start. With `data_parallel=D`, `D` pipelines (`S * D` ranks, rank `k * D + d` running stage `k` "
+            "of pipeline `d`), each stage's replicas under DDP: a stage adds the buckets of its own "
+            "parameters' gradients (every forward runs under `no_sync()`, so no buffer broadcast).",
             "```python\nestimator.report(model, sample, batch=32,\n"
             "                 strategy=estimator.Strategy(pipeline=4, microbatches=8, schedule=\"1f1b\"))\n```\n"
             "`fxmem report gpt --batch 32 --pipeline 4 --microbatches 8`",
             {"one device": Strategy(), "pipeline x4 GPipe, 8 micro-batches": Strategy(pipeline=4, microbatches=8,
                                                                                        schedule="gpipe"),
-             "pipeline x4 1F1B, 8 micro-batches": Strategy(pipeline=4, microbatches=8)},
+             "pipeline x4 1F1B, 8 micro-batches": Strategy(pipeline=4, microbatches=8),
+             "pipeline x4 1F1B x DDP 2, 8 micro-batches": Strategy(pipeline=4, data_parallel=2, microbatches=8)},
             ("pipeline", "GPipe", "1F1B"),
         ),
         Page(

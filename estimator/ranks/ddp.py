@@ -60,9 +60,11 @@ def replicated(timeline, model: nn.Module, strategy) -> RankStep:
     return step
 
 
-def bucket_bytes(model: nn.Module, step: RankStep, cap_mb: float = DEFAULT_CAP_MB) -> list[int]:
-    """The sizes of the reducer's buckets in the steady state (rebuilt in gradient-ready order)."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+def bucket_bytes(model: nn.Module, step: RankStep, cap_mb: float = DEFAULT_CAP_MB,
+                 names: list[str] | None = None) -> list[int]:
+    """The sizes of the reducer's buckets in the steady state (rebuilt in gradient-ready order);
+    ``names``: the parameters the wrapped module holds (default: all of ``model``'s)."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad and (names is None or name in names)}
     ready = [name for name in step.grad_order if name in params]
     order = ready + [n for n in reversed(params) if n not in ready]
     cap = int(cap_mb * MIB)

@@ -58,6 +58,23 @@ first block when its forward runs before it (embeddings), else with the last (he
 A cost model, not the stages' peaks: the per-stage reports show what the cut gives, and
 ``split_points`` sets it.
 
+Data parallel stages (``Strategy(pipeline=S, data_parallel=D)``: ``S * D`` ranks, rank
+``k * D + d`` running stage ``k`` of pipeline ``d``, as torchtitan's ``("pp", "dp")`` mesh lays
+them out): each stage's module wrapped in ``DistributedDataParallel`` over its ``D`` replicas.
+``PipelineStage`` runs every forward and every backward but the last under ``no_sync()``
+(``stage.py`` ``forward_maybe_with_nosync`` / ``backward_maybe_with_nosync``); the last
+backward's hooks copy each gradient into its bucket and all-reduce it.  What that adds to a
+stage: the reducer's buckets of its parameters (``ddp.bucket_bytes``: the first synced backward
+records the ready order, the next forward rebuilds the buckets in it), alive throughout.  No
+buffer broadcast in the steady state: DDP's ``_post_forward`` sets ``require_forward_param_sync``
+false after a forward under ``no_sync()``, and every forward is one.  With
+``gradient_as_bucket_view`` the hook of the last backward points ``.grad`` at its bucket view:
+the gradient the first backward made is freed there.  The real job's stage needs its shapes
+given (``PipelineStage(input_args=, output_args=, ...)``, static mode): the dynamic mode's
+metadata inference runs a backward through DDP outside ``no_sync()``, and the next step's bucket
+rebuild then fails (torch 2.13, ``reducer.cpp``: "rebuilt parameter indices size is not same as
+original model parameters size").
+
 Not modelled: memory gloo / NCCL allocate themselves (outside the PyTorch allocator); the
 first step's metadata inference (``_forward_metadata_inference`` runs a micro-batch's forward
 and backward once; the steady state is modelled); parameters shared by two stages (tied
@@ -72,6 +89,7 @@ import dataclasses
 
 from torch import nn
 
+from estimator.ranks import ddp
 from estimator.ranks.rankstep import Block, Op, Rank, RankStep
 from estimator.vocab.categories import Category, Phase
 from estimator.vocab.errors import InputError
@@ -292,7 +310,8 @@ def stages(timeline, model: nn.Module, strategy, target=None, at=None) -> list[R
     for k in range(S):
         step = _stage_step(base, model, strategy, layout, k, outputs)
         lo, hi = starts[k], (starts[k + 1] if k + 1 < S else n)
-        ranks.append(Rank(f"stage {k}/{S} (blocks {lo}:{hi})", (k,), step.timeline()))
+        D = strategy.data_parallel  # ranks as torchtitan's ("pp", "dp") mesh lays them out
+        ranks.append(Rank(f"stage {k}/{S} (blocks {lo}:{hi})", tuple(range(k * D, (k + 1) * D)), step.timeline()))
     return ranks
 
 
@@ -319,6 +338,7 @@ def _stage_step(base: RankStep, model: nn.Module, strategy, layout: _Layout, k: 
     S, m = strategy.pipeline, strategy.microbatches
     first, last = k == 0, k == S - 1
     gpipe = Schedule(strategy.schedule) is Schedule.GPIPE
+    as_views = strategy.data_parallel > 1 and strategy.gradient_as_bucket_view
     step = base.copy()
     stage_of = {id(step.ops[i]): layout.op_stage.get(id(o)) for i, o in enumerate(base.ops)}
     params = [name for name, _ in model.named_parameters() if layout.param_stage.get(name) == k]
@@ -370,6 +390,8 @@ def _stage_step(base: RankStep, model: nn.Module, strategy, layout: _Layout, k: 
             return ends[backwards[m - warmup]]
         return ends[i]
 
+    seed = next((o for o in step.ops if o.phase is Phase.BACKWARD), None)
+    seed = seed if seed is not None and seed.op == "aten.ones_like.default" else None
     out_op = _output_op(base, layout, k, last) if not last else None
     out_op = step.ops[base.ops.index(out_op)] if out_op is not None else None
     new_blocks: list[Block] = []
@@ -393,11 +415,17 @@ def _stage_step(base: RankStep, model: nn.Module, strategy, layout: _Layout, k: 
             alloc = copies[(kind, i)][id(b.alloc)]
             if b.category is Category.GRADIENT and b.owner is not None:
                 if i == backwards[0]:  # the first backward creates .grad
+                    if as_views:  # ... which DDP's hook in the last backward replaces by its bucket view
+                        made = copies[("B", backwards[-1])]
+                        hook = made[id(b.alloc)]
+                        free = hook if len(backwards) == 1 else _accumulated(made, hook)
+                        new_blocks.append(dataclasses.replace(b, alloc=alloc, free=free))
+                        continue
                     new_blocks.append(dataclasses.replace(b, alloc=alloc))
                 else:  # the later ones add a temporary in place (AccumulateGrad)
                     new_blocks.append(Block(b.nbytes, Category.TEMPORARY, alloc, _accumulated(copies[("B", i)], alloc)))
                 continue
-            free = _free(b, i, kind, k, last, copies, ends, stage_of, held_grad_free)
+            free = _free(b, i, kind, k, last, copies, ends, stage_of, held_grad_free, seed)
             if b.alloc is out_op:  # the stage's output: also held by its send
                 held = sent_output_free(i)
                 if free is not None and position[id(held)] > position[id(free)]:
@@ -427,18 +455,25 @@ def _stage_step(base: RankStep, model: nn.Module, strategy, layout: _Layout, k: 
     else:  # the previous step's output_chunks until clear_runtime_states; the merged output
         step.add(outputs[k] * m, Category.ACTIVATION, None, start)
         step.add(outputs[k] * m, Category.TEMPORARY, merge, None)
+    if strategy.data_parallel > 1:  # DDP over the stage's replicas: the reducer's buckets of its parameters
+        for nbytes in ddp.bucket_bytes(model, base, strategy.bucket_cap_mb, names=set(params)):
+            step.add(nbytes, Category.COMMUNICATION, None, None)
     return step
 
 
-def _free(b: Block, i: int, kind: str, k: int, last: bool, copies, ends, stage_of, held_grad_free) -> Op | None:
-    """Where micro-batch ``i``'s copy of ``b`` (allocated by this stage) is freed."""
+def _free(b: Block, i: int, kind: str, k: int, last: bool, copies, ends, stage_of, held_grad_free,
+          seed: Op | None) -> Op | None:
+    """Where micro-batch ``i``'s copy of ``b`` (allocated by this stage) is freed.  ``seed``: the
+    op making the loss's gradient (``torch.autograd.backward``'s ``ones_like``), which the
+    capture's one backward frees at its end and each of the last stage's ``stage_backward``
+    calls at the end of its own."""
     f = b.free
     if f is None:
         return None if last and kind == "F" else ends[i]
     where = stage_of.get(id(f))
     if where == k and f.phase is not Phase.OPTIMIZER:
         return copies["F" if f.phase is Phase.FORWARD else "B", i][id(f)]
-    if kind == "B" and where is not None and where < k:
+    if kind == "B" and where is not None and where < k and b.alloc is not seed:
         return held_grad_free(i)  # this stage's input gradient, held by its send
     return ends[i]  # kept in fwd_cache until this micro-batch's backward is done
 

@@ -84,7 +84,9 @@ class Strategy:
 
     Pipeline over ``pipeline`` stages: the blocks are cut into contiguous stages
     (``split_points``: the block paths where stages 2.. start; default: balanced by memory),
-    the batch ``b`` into ``microbatches`` (default: ``pipeline``) run by ``schedule``.
+    the batch ``b`` into ``microbatches`` (default: ``pipeline``) run by ``schedule``.  With
+    ``data_parallel`` > 1, that many pipelines, each stage's replicas under DDP (``pipeline *
+    data_parallel`` ranks, each pipeline running ``b`` samples a step).
 
     ``compile``: the model ``torch.compile``d (True, or a mode name), as ``report(compile=)``.
 
@@ -155,8 +157,10 @@ class Strategy:
                 if getattr(self, name) is not None:
                     raise InputError(f"Strategy({name}=) configures a pipeline: give pipeline >= 2 stages")
             return
-        if self.data_parallel > 1:
-            raise InputError("Strategy(pipeline=) with data_parallel > 1 (2-D parallelism) is not modelled")
+        if self.sharding is not None:
+            raise InputError(f"Strategy(pipeline=) with sharding={self.sharding.value!r} is not modelled (each "
+                             "stage's data-parallel ranks as DDP replicas are: leave sharding=None; a job's own "
+                             "FSDP2 of its stages needs its pipeline run by the capture, which fxmem does not do yet)")
         if self.accumulate > 1:
             raise InputError(
                 "Strategy(pipeline=) with accumulate > 1: a pipeline already accumulates its micro-batches; "
@@ -241,7 +245,8 @@ class Strategy:
             parts.append(f"mesh {dims} ({function_name(self.parallelize)})")
         elif self.pipeline > 1:
             name = "GPipe" if self.schedule is Schedule.GPIPE else "1F1B"
-            parts.append(f"pipeline x{self.pipeline} ({name}, {self.microbatches} micro-batches)")
+            parts.append(f"pipeline x{self.pipeline} ({name}, {self.microbatches} micro-batches)"
+                         + (f" x DDP {self.data_parallel}" if self.data_parallel > 1 else ""))
         elif self.sharding is not None:
             parts.append(f"ZeRO-{self.sharding.value[-1]} x{self.data_parallel}")
         elif self.data_parallel > 1:
