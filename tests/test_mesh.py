@@ -16,6 +16,7 @@ from torch import nn
 import estimator
 import models_zoo
 from estimator import Strategy, corrections, planning
+from estimator.capture import trace
 from estimator.capture.model_plans import own_plans
 from estimator.capture.tracker import RESIZE, Tracker
 from estimator.capture.world import role_name
@@ -611,7 +612,7 @@ def test_ranks_are_split_by_what_they_first_receive_otherwise():
     assert world.split_roles(((0, 1, 2, 3),), {(0, 1): {}}, nn.Linear(1, 1), (("dp", 4),)) == ((0, 1), (2,), (3,))
 
 
-def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
+def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks(monkeypatch):
     """A MoE on the meta device has no routing, and expert parallelism reads counts that follow it:
     its routers' ``torch.topk`` picks are assumed (``capture/routing.py``), by default at their bound
     (every token to experts 0, 1: rank 0 receives both ranks' tokens, rank 1 none), with
@@ -634,6 +635,8 @@ def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
 
     fn = functools.partial(own_plans, ep=2)
     peaks = {}
+    routed = []  # the captures that stopped at a routed value and took the bound (trace._routed)
+    monkeypatch.setattr(trace, "_routed", lambda *a, _f=trace._routed: routed.append(1) or _f(*a))
     for router, policy in (("first", "max"), ("balanced", "balanced")):
         with torch.device("meta"):
             meta, sample_fn, _ = _hf_mixtral(router, layers=1)
@@ -643,6 +646,8 @@ def test_expert_parallel_on_the_meta_device_assumes_its_routers_picks():
         # the ranks are roles of their own where they receive other tokens (Shadows._diverged)
         assert [r.ranks for r in rep.ranks] == ([(0, 1)] if router == "balanced" else [(0,), (1,)])
         peaks[router] = _per_rank(rep)
+    # rank 0 stops at the routed counts once and takes the bound; rank 1's capture starts there
+    assert len(routed) == 1
     real = estimator.report(_hf_mixtral("first", layers=1)[0], sample_fn(2), batch=2, device="cpu", optimizer=None,
                             strategy=Strategy(mesh={"fsdp": 2}, parallelize=fn))
     assert _per_rank(real) == peaks["first"]

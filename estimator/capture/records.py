@@ -104,6 +104,9 @@ class RawCapture:
     # values fake tensors cannot know came from the sample's values (shadows) or a real run (the probe): the
     # capture follows the values of the sample (and, probed, of the weights), not only their shapes
     reads_values: bool = False
+    # a model on the meta device whose step read its routers' picks: the policy of their bound it was captured at
+    # (``trace._routed``), where the captures of its other ranks start
+    bound: Policy | None = None
     # Strategy(mesh=): the ranks grouped by the program they run, in rank order (``world.roles``)
     roles: tuple[tuple[int, ...], ...] = ()
     # an eager step's own torch.compile'd regions (a parallelize function's per-block compile) took the capture's

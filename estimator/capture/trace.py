@@ -152,7 +152,8 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
             spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
     try:
         raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
-        return dataclasses.replace(raw, reads_values=raw.reads_values or ran)
+        # started at a bound another rank's capture found (``path.Formula.bound``): as ``_routed`` returns it
+        return dataclasses.replace(raw, reads_values=raw.reads_values or ran or policy.routed_bound)
     except datadep.NeedsProbe as exc:
         if spec.data_dependent.observed or spec.data_dependent.values:
             raise _unreached(exc, spec.data_dependent, spec) from None
@@ -194,7 +195,7 @@ def _routed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
     except SymbolicCaptureFailed as exc:  # the captures that follow (b alone, concrete sizes) start at the bound
         exc.data_dependent = bound
         raise
-    return dataclasses.replace(raw, reads_values=True)
+    return dataclasses.replace(raw, reads_values=True, bound=bound)
 
 
 def _at(exc: BaseException) -> str:

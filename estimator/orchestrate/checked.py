@@ -59,6 +59,10 @@ class Checked:
                           master_weights=s.master_weights, mesh=s.mesh, parallelize=s.parallelize)
         return dataclasses.replace(self.spec, strategy=single)
 
+    def with_policy(self, policy: Policy) -> Checked:
+        """The same request, its captures run under the data-dependent ``policy``."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, data_dependent=policy))
+
     def at_rank(self, rank: int) -> Checked:
         """The same request, rank ``rank``'s step captured (``Strategy(mesh=)``)."""
         return dataclasses.replace(self, spec=dataclasses.replace(self.spec, rank=rank))

@@ -70,7 +70,9 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
 def _report(checked: Checked, formula: Formula | None = None) -> Report:
     """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
     captured = capture_step(checked, formula)
-    others = {ranks: checked.at_rank(ranks[0]) for ranks in captured.roles if checked.spec.rank not in ranks}
+    # the other roles run the same code: where this one had to take its routers' bound, they start there
+    start = checked if captured.bound is None else checked.with_policy(captured.bound)
+    others = {ranks: start.at_rank(ranks[0]) for ranks in captured.roles if checked.spec.rank not in ranks}
     capture_each(list(others.values()))  # the other roles, in worker processes where there are several
     return result(checked, captured, {ranks: capture_step(other) for ranks, other in others.items()})
 

@@ -23,7 +23,7 @@ from estimator.capture.records import StepSpec
 from estimator.capture.trace import capture
 from estimator.ranks.per_rank import RankStep
 from estimator.reporting.result import CapturePath
-from estimator.vocab.data_dependent import Site
+from estimator.vocab.data_dependent import Policy, Site
 from estimator.vocab.errors import CaptureError, SymbolicCaptureFailed
 from estimator.vocab.symbolic import ZERO, NotPolynomial, Poly
 
@@ -50,6 +50,7 @@ class Formula:
     own: tuple[int, Timeline] | None = None  # a compiled step's own program at its batch (static shapes)
     reads_values: bool = True  # it follows the values of the sample or weights (``RawCapture.reads_values``)
     roles: tuple[tuple[int, ...], ...] = ()  # Strategy(mesh=): the ranks grouped by their program (``RawCapture``)
+    bound: Policy | None = None  # the routers' bound the captures had to take (``RawCapture.bound``)
 
     @property
     def seq_range_lo(self) -> int:
@@ -84,6 +85,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
     notes: list[str] = []
     hint = hint_of(batch, microbatches, seq)
     graph, seq_range = None, None
+    given = spec.data_dependent
     try:
         try:
             raw = capture(model, sample, spec, hint, symbolic=True, seq_dims=seq_dims)
@@ -95,6 +97,8 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
             seq = None
             raw = capture(model, sample, spec, hint, symbolic=True)
+        if raw.bound is not None:
+            spec = dataclasses.replace(spec, data_dependent=raw.bound)
         timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
         notes.extend(raw.notes)
         if raw.rounded:
@@ -138,8 +142,9 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             "your step's torch.compile'd regions (a parallelize function's per-block compile) compile a program of "
             "their own for each batch size (static shapes, as a loop at one batch size does)"))
         notes.append(note)
+    bound = spec.data_dependent if spec.data_dependent is not given else None
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
-                   reads_values, roles)
+                   reads_values, roles, bound)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
@@ -156,8 +161,9 @@ def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbat
     own = not outside and captured.own is not None and captured.own[0] == micro
     if own:  # a compiled step's program for this batch size
         at = captured.own[1]
-    elif outside:  # the formula does not hold here: capture this batch size itself
-        at = account(capture(model, sample, spec, micro, symbolic=False))
+    elif outside:  # the formula does not hold here: capture this batch size itself (at the bound the formula took)
+        found = spec if captured.bound is None else dataclasses.replace(spec, data_dependent=captured.bound)
+        at = account(capture(model, sample, found, micro, symbolic=False))
         notes.append(f"b={batch} is outside the formula's range; its numbers come from a capture at b={batch}")
     if m > 1:  # formulas in the pipeline's batch b: each micro-batch runs b / m rows
         try:

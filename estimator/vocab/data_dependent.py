@@ -71,6 +71,12 @@ class Policy:
     def needs_probe(self) -> bool:
         return self.default == SAMPLE or SAMPLE in self.sites.values()
 
+    @property
+    def routed_bound(self) -> bool:
+        """Whether the routers' picks are at their bound, which only a capture that needed them on
+        meta weights takes (``trace._routed``), never a user's choice."""
+        return self.routing is Routing.FIRST
+
     @staticmethod
     def of(value) -> Policy:
         """From ``report(data_dependent=)``: ``"max"``, ``"sample"``, ``"balanced"`` (``"max"``, a
