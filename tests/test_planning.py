@@ -41,6 +41,8 @@ def test_compare_rows_against_single_device_reports():
     # ring all-reduce of the gradients: 2 * (n-1)/n * 66_560 B = 66_560 B per device
     assert ddp.communication_bytes == PARAMS
     assert result["zero1"].communication_bytes == 3 * PARAMS // 2  # + the parameter broadcast
+    # 2 stages x DDP 2: each stage all-reduces its half of the gradients, 2 * 1/2 * PARAMS / 2 B
+    assert planning.communication_bytes(model, Strategy(pipeline=2, data_parallel=2)) == PARAMS // 2
     assert result["ckpt"].peak_bytes == estimator.report(model, x, batch=8, strategy=strategies["ckpt"],
                                                          device="cpu").peak_bytes
     assert "recomputes" in result["ckpt"].cost
