@@ -488,9 +488,6 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     first, last = k == 0, k == stages - 1
     submod, whole = model[lo:hi], model
     del model
-    # every rank makes every group, in the same order (new_group is collective)
-    pp_groups = [dist.new_group([s * replicas + r for s in range(stages)]) for r in range(replicas)]
-    dp_groups = [dist.new_group([s * replicas + r for r in range(replicas)]) for s in range(stages)]
     sample = sample_fn(batch // replicas)
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
         raise ValueError(f"{strategy}: sample_fn must return (input, target), got {type(sample).__name__}")
@@ -498,9 +495,14 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
     sample_shape = tuple(x.shape)
     held = (x if first else None, target if last else None)  # what this rank keeps alive
     del sample, x, target
-    wrapped, shapes = submod, {}
+    wrapped, shapes, pipeline_group = submod, {}, None
     if replicas > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # every rank makes every group, in the same order (new_group is collective)
+        pp_groups = [dist.new_group([s * replicas + r for s in range(stages)]) for r in range(replicas)]
+        dp_groups = [dist.new_group([s * replicas + r for r in range(replicas)]) for s in range(stages)]
+        pipeline_group = pp_groups[d]
 
         # the stage's shapes given (static mode): the dynamic mode's metadata inference runs a
         # backward through DDP outside no_sync, and the second step's bucket rebuild then fails
@@ -515,7 +517,7 @@ def _pipeline(rank, world, strategy, model, sample_fn, loss_fn, batch, factory, 
         shapes["input_grads"], shapes["output_grads"] = shapes["input_args"], shapes["output_args"]
         wrapped = DDP(submod, process_group=dp_groups[k], **options)
     del whole
-    stage = PipelineStage(wrapped, k, stages, torch.device("cpu"), group=pp_groups[d], **shapes)
+    stage = PipelineStage(wrapped, k, stages, torch.device("cpu"), group=pipeline_group, **shapes)
     schedule_cls = ScheduleGPipe if strategy == "pipeline-gpipe" else Schedule1F1B
 
     def stage_loss(output, target_mb):

@@ -61,7 +61,7 @@ def replicated(timeline, model: nn.Module, strategy) -> RankStep:
 
 
 def bucket_bytes(model: nn.Module, step: RankStep, cap_mb: float = DEFAULT_CAP_MB,
-                 names: list[str] | None = None) -> list[int]:
+                 names: set[str] | None = None) -> list[int]:
     """The sizes of the reducer's buckets in the steady state (rebuilt in gradient-ready order);
     ``names``: the parameters the wrapped module holds (default: all of ``model``'s)."""
     params = {name: p for name, p in model.named_parameters() if p.requires_grad and (names is None or name in names)}

@@ -307,10 +307,10 @@ def stages(timeline, model: nn.Module, strategy, target=None, at=None) -> list[R
     n = len(layout.block_stage)
     outputs = [_output_bytes(base, layout, k, k == S - 1) for k in range(S)]
     ranks = []
+    D = strategy.data_parallel  # ranks as torchtitan's ("pp", "dp") mesh lays them out
     for k in range(S):
         step = _stage_step(base, model, strategy, layout, k, outputs)
         lo, hi = starts[k], (starts[k + 1] if k + 1 < S else n)
-        D = strategy.data_parallel  # ranks as torchtitan's ("pp", "dp") mesh lays them out
         ranks.append(Rank(f"stage {k}/{S} (blocks {lo}:{hi})", tuple(range(k * D, (k + 1) * D)), step.timeline()))
     return ranks
 
