@@ -45,6 +45,18 @@ def test_ddp_is_one_device_plus_its_buckets(single):
     assert rep.strategy.describe() == "DDP x2"
 
 
+def test_the_communication_library_s_own_memory_is_named():
+    # gloo's and NCCL's buffers outside PyTorch's allocators are in no rank's figure: the notes say so,
+    # and on the CUDA target how large NCCL's can be
+    model, sample_fn, loss_fn = MLP()
+    on_cpu = _report(Strategy(data_parallel=2))
+    on_cuda = estimator.report(_InputOnly(model), sample_fn(8), batch=8, loss_fn=loss_fn,
+                               strategy=Strategy(pipeline=2, data_parallel=2), device="cuda")
+    assert any("gloo allocates outside PyTorch's CPU allocator is not counted" in n for n in on_cpu.notes)
+    assert any("NCCL's own buffers" in n and "9.19 MiB" in n and "lower bound" in n for n in on_cuda.notes)
+    assert not any("NCCL" in n or "gloo" in n for n in _report(Strategy(accumulate=2)).notes)
+
+
 def test_gradient_as_bucket_view_drops_the_gradient_copies(single):
     rep = _report(Strategy(data_parallel=2, gradient_as_bucket_view=True))
     # the gradients become views of the buckets: buckets (1_052_672) instead of gradients

@@ -80,11 +80,19 @@ def notes(mesh: tuple[tuple[str, int], ...], cuda: bool) -> tuple[str, ...]:
     common = (f"each rank's step is your parallelize function's, captured on a fake process group of {world} ranks "
               "(one capture per group of ranks whose shards have the same shapes)")
     if not cuda:
-        return (common + "; gloo's buffers around each collective are counted (ProcessGroupGloo.cpp), memory gloo "
-                "allocates outside PyTorch's CPU allocator is not",)
+        return (common + "; gloo's buffers around each collective are counted (ProcessGroupGloo.cpp); "
+                + library_note(False),)
     return (common + "; on the CUDA target the caching allocator keeps a pool per stream, and the allocations "
             "your job makes on side streams (FSDP2's all-gather copy-in and reduce-scatter streams) are replayed on "
-            "theirs; the collectives are counted as the step's tensors only: NCCL's own buffers (outside the caching "
+            "theirs; " + library_note(True),)
+
+
+def library_note(cuda: bool) -> str:
+    """What the collectives' library holds outside PyTorch's allocator (gloo on the CPU target, NCCL on the
+    CUDA target), which no rank's figure counts: for the notes of every multi-device report."""
+    if not cuda:
+        return "memory gloo allocates outside PyTorch's CPU allocator is not counted"
+    return ("the collectives are counted as the step's tensors only: NCCL's own buffers (outside the caching "
             "allocator: nvidia-smi shows them, max_memory_allocated does not) are NOT modelled, nor is a freed block "
             "that the GPU still uses on another stream waiting for it (recordStream's events: timing, which the "
             "replay does not have): treat the device figure as a lower bound.  NCCL's buffers, per process group "
@@ -92,7 +100,7 @@ def notes(mesh: tuple[tuple[str, int], ...], cuda: bool) -> tuple[str, ...]:
             "NCCL_BUFFSIZE, 4.69 MiB LL128, 0.5 MiB LL), a ring's one per channel, a tree's up to three, up to 32 "
             "channels over NVLink and more with NVLS: hundreds of MiB to a few GiB per group, which depends on the "
             "topology NCCL finds (NVIDIA/nccl#864: about 1.6 GB for one all-reduce communicator); leave room for "
-            "them in the budget",)
+            "them in the budget")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

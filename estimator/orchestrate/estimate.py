@@ -93,6 +93,8 @@ def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...],
         notes.append(_batch_note(strategy))
     if strategy.mesh is not None:
         notes.extend(world.notes(strategy.mesh, spec.target.is_cuda))
+    elif strategy.distributed:  # fxmem's DDP / ZeRO / pipeline ranks (estimator/ranks)
+        notes.append("communication: " + world.library_note(spec.target.is_cuda))
     if spec.mode is Mode.TRAIN and spec.step is None and spec.keep_output:
         notes.extend(_kept_output_note(captured.at_batch, batch))
     common = {
