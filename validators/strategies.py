@@ -223,6 +223,9 @@ def cases() -> list[Case]:
         Case("pipeline 1F1B x2 x DDP 2, gradient_as_bucket_view", "mlp-classes",
              Strategy(pipeline=2, data_parallel=2, microbatches=4, split_points=s2, gradient_as_bucket_view=True), 64,
              "pipeline-1f1b", {"split_points": [4], "gradient_as_bucket_view": True}),
+        Case("pipeline 1F1B x2 x DDP 2 + checkpoint Linear", "mlp",
+             Strategy(pipeline=2, data_parallel=2, microbatches=4, split_points=s2, checkpoint=nn.Linear), 64,
+             "pipeline-1f1b", {"split_points": [4], "checkpoint": nn.Linear}),
     ]
     return single + distributed + sharded + pipelines + meshes()
 

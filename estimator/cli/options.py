@@ -178,7 +178,8 @@ STRATEGY_OPTIONS = [
                  help="data parallel over N devices (DDP; each runs b samples)."),
     click.option("--zero", type=click.Choice(("1", "2", "3")), help="ZeRO stage over the --dp devices "
                  "(1: ZeroRedundancyOptimizer, 2/3: FSDP2 fully_shard, reshard_after_forward False/True)."),
-    click.option("--pipeline", type=click.IntRange(min=1), default=1, metavar="S", help="pipeline over S stages."),
+    click.option("--pipeline", type=click.IntRange(min=1), default=1, metavar="S",
+                 help="pipeline over S stages (with --dp N: N pipelines, each stage's replicas under DDP)."),
     click.option("--microbatches", type=click.IntRange(min=1), metavar="M", help="pipeline micro-batches (default S)."),
     click.option("--schedule", type=click.Choice(("1f1b", "gpipe"), case_sensitive=False), default="1f1b",
                  show_default=True,
