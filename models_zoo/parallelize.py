@@ -159,3 +159,45 @@ def loss_parallel_step(model: nn.Module, sample: dict, optimizer) -> None:
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def sequential_pipeline(model: nn.Module, mesh, *, rows: int | None = None, microbatches: int = 2,
+                        schedule: str = "1f1b",
+                        split_points: tuple[int, ...] | None = None, loss: str = "mse",
+                        reshard_after_forward: bool = False):
+    """Pipeline parallelism for a model that runs one ``nn.Sequential`` (the model, or its first one),
+    as torchtitan's ``pipeline_llama`` builds it, over the mesh's ``"pp"`` dim: this rank keeps its
+    stage's children of the Sequential (the others deleted, in place), FSDP2 shards each of its
+    ``nn.Linear`` and the stage over the mesh's ``"dp_shard"`` dim if it has one (torchtitan's
+    ``reshard_after_forward=False`` under a pipeline), and it returns the schedule (``"gpipe"`` or
+    ``"1f1b"``, ``microbatches`` per step, its loss ``"mse"`` or ``"cross_entropy"`` of the last
+    stage's output and the target).  ``rows``: one micro-batch's rows, to give the stages their
+    shapes (``PipelineStage(input_args=, output_args=)``, static mode); None: the stages infer them in
+    the first step (dynamic mode, as torchtitan's).  ``split_points``: the child indices where stages
+    2.. start (default: the Linear layers split evenly)."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    seq = next(m for m in model.modules() if isinstance(m, nn.Sequential))  # the model itself first
+    pp = mesh["pp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    if split_points is None:
+        linears = [i for i, child in enumerate(seq) if isinstance(child, nn.Linear)]
+        split_points = tuple(linears[len(linears) * k // stages] for k in range(1, stages))
+    bounds = (0, *split_points, len(seq))
+    del seq[bounds[stage + 1]:]
+    del seq[:bounds[stage]]
+    linears = [child for child in seq if isinstance(child, nn.Linear)]
+    if mesh.mesh_dim_names and "dp_shard" in mesh.mesh_dim_names:
+        for linear in linears:
+            fully_shard(linear, mesh=mesh["dp_shard"], reshard_after_forward=reshard_after_forward)
+        fully_shard(seq, mesh=mesh["dp_shard"], reshard_after_forward=reshard_after_forward)
+    shapes = {}
+    if rows is not None:  # one micro-batch's input and output; a received activation requires grad
+        shapes = {"input_args": (torch.empty(rows, linears[0].in_features, requires_grad=stage > 0),),
+                  "output_args": (torch.empty(rows, linears[-1].out_features, requires_grad=True),)}
+    pipeline_stage = PipelineStage(seq, stage, stages, torch.device("cpu"), group=pp.get_group(), **shapes)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return kind(pipeline_stage, n_microbatches=microbatches,
+                loss_fn={"mse": F.mse_loss, "cross_entropy": F.cross_entropy}[loss])

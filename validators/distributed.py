@@ -41,7 +41,9 @@ accumulation, checkpointing and autocast each rank's step applies):
                     ``parallelize(model, mesh)`` (option ``parallelize``: picklable, a
                     module-level function or a partial of one); every rank runs ``batch``
                     samples (``batch`` is per rank here); option ``user_step``: the job's own
-                    ``step(model, sample, optimizer)`` instead of the built-in step.
+                    ``step(model, sample, optimizer)`` instead of the built-in step.  A
+                    function that returns a pipeline schedule (this rank's stage, the model
+                    cut in place) has its step run by ``estimator.capture.pipelines.step``.
     pipeline-gpipe  ``torch.distributed.pipelining`` ScheduleGPipe / Schedule1F1B; an
     pipeline-1f1b   nn.Sequential model is cut into ``world_size`` contiguous stages (balanced
                     by parameter count, or ``split_points``: the child indices where stages
@@ -75,7 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.capture import steps
+from estimator.capture import pipelines, steps
 from estimator.vocab.categories import Mode
 from validators import cpu
 
@@ -355,6 +357,7 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
         )
     else:
         local_batch = batch if strategy == "mesh" else batch // world
+        schedule = None
         sample = sample_fn(local_batch)
         if isinstance(model, nn.Sequential):  # sample (input, target): feed the input only
             model = _InputOnly(model)
@@ -382,7 +385,8 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
 
             dims = options.pop("mesh")
             parallelize = options.pop("parallelize")
-            parallelize(model, init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims)))
+            made = parallelize(model, init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims)))
+            schedule = made if pipelines.is_schedule(made) else None  # the job's pipeline: its step runs it
             role = f"rank {rank}/{world}"
         elif options:
             raise ValueError(f"strategy {strategy!r} takes no options, got {sorted(options)}")
@@ -392,6 +396,8 @@ def _measure(rank, world, strategy, build, batch, optimizer, warmup, options) ->
         def run():
             if user_step is not None:  # the job's own step, handed the optimizer
                 return user_step(model, sample, opt)
+            if schedule is not None:
+                return pipelines.step(schedule, sample, opt)
             return steps.run(model, sample, Mode.TRAIN, opt, loss_fn, precision=precision, scaler=scaler,
                             strategy=single)
 

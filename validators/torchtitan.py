@@ -143,10 +143,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # a pipeline stage's chunk lacks the modules of the other stages (``pipeline``)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm else h
+        return self.output(h) if self.output else h
 
 
 def build(args: ModelArgs = ModelArgs(), device: str = "meta") -> Transformer:
@@ -178,15 +180,17 @@ def apply_ac(model: Transformer, save: tuple[str, ...] = SAVE) -> None:
     apply_op_sac(model, save)
 
 
-def apply_fsdp(model: Transformer, mesh) -> None:
-    """parallelize_llama.py ``apply_fsdp`` without pipeline parallelism or CPU offload."""
+def apply_fsdp(model: Transformer, mesh, pp_enabled: bool = False) -> None:
+    """parallelize_llama.py ``apply_fsdp`` without CPU offload; under a pipeline (``pp_enabled``) no
+    reshard after forward ("to avoid per-microbatch all-gathers")."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                reduce_dtype=torch.float32)}
     for layer_id, block in model.layers.items():
-        fully_shard(block, **config, reshard_after_forward=int(layer_id) < len(model.layers) - 1)
-    fully_shard(model, **config, reshard_after_forward=True)
+        last = int(layer_id) == len(model.layers) - 1 if not pp_enabled else True
+        fully_shard(block, **config, reshard_after_forward=not last)
+    fully_shard(model, **config, reshard_after_forward=not pp_enabled)
 
 
 def parallelize(model: Transformer, mesh) -> None:
@@ -194,6 +198,45 @@ def parallelize(model: Transformer, mesh) -> None:
     (torchtitan's ``dp_shard`` dim)."""
     apply_ac(model)
     apply_fsdp(model, mesh)
+
+
+def pipeline(model: Transformer, mesh, splits: tuple[str, ...] = ("layers.2",), microbatches: int | None = None):
+    """The 2-D job ``{"pp": p, "dp_shard": d}`` as train.py at 9dec370 builds it: ``pipeline_llama``
+    (torchtitan/parallelisms/pipeline_llama.py ``pipeline_llama_manual_split``: this rank's stage
+    keeps the layers from its split point to the next, the first stage the embeddings, the last
+    the norm and the output; a ``PipelineStage`` without shapes, which infers them in its first
+    step), then ``parallelize_llama`` on the chunk (op-level SAC, FSDP2 over ``dp_shard`` without
+    reshard after forward), then ``build_pipeline_schedule`` (pipelining_utils.py: the default
+    ``1F1B``, ``pipeline_parallel_microbatches`` or the pp degree, train.py's ``loss_fn``).  torchtitan
+    cuts a deep copy of the whole model on the meta device; here the model itself is cut (one stage
+    per rank, as the "loop" style gives with as many stages as pp ranks), and the schedule returned."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp = mesh["pp"]
+    stage, stages = pp.get_local_rank(), pp.size()
+    if len(splits) != stages - 1:
+        raise ValueError(f"{stages} stages need {stages - 1} split points, got {splits}")
+    start = splits[stage - 1] if stage > 0 else None
+    stop = splits[stage] if stage < stages - 1 else None
+    if stage > 0:
+        model.tok_embeddings = None
+    drop = start is not None
+    for name in list(model.layers.keys()):  # the contiguous layers from start (inclusive) to stop
+        drop = False if f"layers.{name}" == start else True if f"layers.{name}" == stop else drop
+        if drop:
+            del model.layers[name]
+    if stage < stages - 1:
+        model.norm = None
+        model.output = None
+    pipeline_stage = PipelineStage(model, stage, stages, torch.device("cpu"), group=pp.get_group())
+    apply_ac(model)
+    apply_fsdp(model, mesh["dp_shard"], pp_enabled=True)
+    return Schedule1F1B(pipeline_stage, n_microbatches=microbatches or stages, loss_fn=loss_fn)
+
+
+def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """train.py's ``loss_fn``: the fp32 cross entropy of the flattened logits."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def apply_compile(model: Transformer) -> None:
@@ -251,7 +294,7 @@ def train_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: torc
     """train.py 266-323 without pipeline or context parallelism (the LR scheduler allocates nothing)."""
     optimizer.zero_grad()
     pred = model(batch["input_ids"])
-    loss = F.cross_entropy(pred.flatten(0, 1).float(), batch["labels"].flatten(0, 1))
+    loss = loss_fn(pred, batch["labels"])
     del pred  # "need to free to before bwd to avoid peaking memory"
     loss.backward()
     params = list(model.parameters())

@@ -109,6 +109,8 @@ class RawCapture:
     bound: Policy | None = None
     # Strategy(mesh=): the ranks grouped by the program they run, in rank order (``world.roles``)
     roles: tuple[tuple[int, ...], ...] = ()
+    # what b must be a multiple of: a job's pipeline schedule's micro-batches (``trace._pipelined``)
+    multiple: int = 1
     # an eager step's own torch.compile'd regions (a parallelize function's per-block compile) took the capture's
     # symbols: their programs are the compiler's for every size, where a real run compiles for its own
     symbolic_regions: bool = False

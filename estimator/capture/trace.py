@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from estimator.capture import (
     generation,
     isolation,
     phases,
+    pipelines,
     repeated_blocks,
     steps,
     symbols,
@@ -296,16 +298,23 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
     (``world.joined``), the model parallelized by the job's own function first."""
     if spec.strategy.mesh is None:
         return _capture_on(model, sample, spec, batch, symbolic, seq_dims)
+    try:
+        with world.joined(spec.strategy.mesh, spec.rank) as device_mesh:
+            return _capture_on(model, sample, spec, batch, symbolic, seq_dims, device_mesh)
+    except pipelines.NeedsInputs as needs:  # a later stage in the dynamic mode: the earlier stages' outputs first
+        inputs = pipelines.input_shapes(model, sample, spec.strategy, needs, spec.target)
     with world.joined(spec.strategy.mesh, spec.rank) as device_mesh:
-        return _capture_on(model, sample, spec, batch, symbolic, seq_dims, device_mesh)
+        return _capture_on(model, sample, spec, batch, symbolic, seq_dims, device_mesh, inputs)
 
 
 def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
-                seq_dims: dict[int, tuple[int, ...]] | None = None, device_mesh=None) -> RawCapture:
+                seq_dims: dict[int, tuple[int, ...]] | None = None, device_mesh=None,
+                stage_inputs: tuple | None = None) -> RawCapture:
     """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``).
 
     ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
-    sequence length ``s``, hinted by their size in the sample.
+    sequence length ``s``, hinted by their size in the sample.  ``stage_inputs``: what a job's
+    pipeline stage in the dynamic mode receives (``pipelines.input_shapes``).
 
     Gradient accumulation over ``k = spec.strategy.accumulate`` micro-batches: the symbol is the
     micro-batch ``m`` (hint ``max(batch // k, 2)``), the fake sample's dim 0 is ``k·m`` (the
@@ -315,27 +324,33 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     ``m``.  (A pipeline's micro-batches are not captured here: ``estimate`` maps the plain
     step's formulas to ``b / m``.)
     """
-    k = spec.strategy.accumulate
-    if not symbolic and batch % k:
-        raise CaptureError(f"accumulate={k}: the concrete capture at b={batch} needs a multiple of {k}")
-    micro = max(batch // k, 2) if symbolic else batch // k
-    if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
-        sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
-                 for d in seq_dims.get(id(t), ())}
-        while micro in sizes:
-            micro += 1
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
     memo: dict[int, Any] = {}  # the user's objects -> their fake copies
     fmodel = fake_model(model, mode, memo)
     repeated_blocks.map_originals(model, memo)  # a shallow copy's: the user's modules it stands for
     corrections.apply_model_rules(spec.target, fmodel)
-    roles, offload = (), None
+    roles, offload, schedule = (), None, None
     if device_mesh is not None:  # outside the fake mode: ops on the fake model are fake, the mesh's own stay real
-        world.parallelize(spec.strategy.parallelize, fmodel, device_mesh)
+        schedule = world.parallelize(spec.strategy.parallelize, fmodel, device_mesh)
         libraries.load_imported()  # FSDP2's ops, where the function imported it
-        roles = world.roles(fmodel, spec.strategy.mesh)
+        places = None
+        if schedule is not None:  # the job's pipeline: its step runs the schedule (capture.pipelines)
+            spec, places = _pipelined(spec, schedule, fmodel, device_mesh)
+        roles = world.roles(fmodel, spec.strategy.mesh, spec.rank, places)
         offload = world.offload(fmodel, spec.target.is_cuda)
+    # a job's pipeline splits the batch into its micro-batches as accumulation does
+    k = spec.strategy.accumulate if schedule is None else schedule._n_microbatches
+    what = f"accumulate={k}" if schedule is None else f"your pipeline schedule's {k} micro-batches"
+    if not symbolic and batch % k:
+        raise (CaptureError if schedule is None else InputError)(
+            f"{what}: the batch must be a multiple of {k}, got {batch}")
+    micro = max(batch // k, 2) if symbolic else batch // k
+    if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
+        sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
+                 for d in seq_dims.get(id(t), ())}
+        while micro in sizes:
+            micro += 1
     compiled.eager(fmodel)  # the copy of a compiled module would call the user's module
     if spec.compiled is not None:
         spec.compiled.apply(fmodel)
@@ -364,12 +379,14 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     user = spec.step is not None
     module_hooks = phases.module_hooks(tracker) if spec.compiled is None else contextlib.nullcontext()
     with _step_modes(spec, symbolic, mode, dd) as regions, \
-            offload.transfers(tracker) if offload else contextlib.nullcontext():
+            offload.transfers(tracker) if offload else contextlib.nullcontext(), \
+            pipelines.answered(schedule, pipelines.micro_rows(schedule, fsample), stage_inputs) if schedule \
+            else contextlib.nullcontext():
         if spec.compiled is None:
             compiled.submodule_regions(fmodel)
         # Inside the fake mode: some optimizers (Adagrad) create their state when constructed.
         if user:
-            warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names)
+            warm = _user_warm_up(fmodel, fsample, spec, memo, real, module_names, schedule)
         else:
             warm = _built_in_warm_up(fmodel, fsample, spec, real_tensors(batch, False, 1))
         run_step, optimizers = warm.run_step, warm.optimizers
@@ -419,6 +436,7 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     notes += cpu_matmul.scaled_mm_notes(tracker.ops, tracker.target)
     notes += held_note(model) + real.notes() + warm.notes + leak + value_notes.assumed_note(dd.assumed)
     notes += (offload.notes() if offload else ()) + phases.host_note(phases.host_state(spec, optimizers))
+    notes += pipelines.notes(schedule) if schedule is not None else ()
     notes += value_notes.host_note(dd.host_reads) + value_notes.exchanged_note(dd.exchanged, bool(dd.routed))
     notes += value_notes.routed_note(dd.routed, spec.data_dependent.routing)
     if dd.exchanged:  # what a rank receives follows its place in the groups whose values it read
@@ -442,14 +460,30 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
                           notes=notes + value_notes.notes(sites) + grown(), data_dependent=sites,
                           freed_first=tuple(tracker.freed_first), marks=marks["marks"], decoding=decoding,
                           managed=sum(managed.values()), state_names=state_names, reads_values=dd.read_values,
-                          roles=roles)
+                          roles=roles, multiple=1 if schedule is None else k)
     raw = symbols.to_batch_symbol(tracker, graph, shape_env, batch_symbols, k, tuple(dd.sites.values()),
                                   decoded.get("guard_marks", ()))
     raw.grad_order, raw.notes = tuple(grad_order), notes + value_notes.notes(raw.data_dependent) + grown()
     raw.marks, raw.decoding, raw.managed = marks["marks"], decoding, sum(managed.values())
     raw.state_names, raw.reads_values, raw.roles = state_names, dd.read_values, roles
+    raw.multiple = 1 if schedule is None else k
     raw.symbolic_regions = spec.compiled is None and bool(regions.get("symbolic"))
     return raw
+
+
+def _pipelined(spec: StepSpec, schedule, fmodel: nn.Module, device_mesh) -> tuple[StepSpec, list[int]]:
+    """The spec whose step runs the job's pipeline ``schedule`` (the built-in one: ``pipelines.step``,
+    its optimizer over the stage's parameters), and each rank's place in its pipeline."""
+    pipelines.check(schedule, fmodel, spec.mode is Mode.TRAIN)
+    if spec.step is None:
+        if spec.precision.amp is not None:
+            raise InputError("amp with a pipeline schedule: the built-in pipeline step runs schedule.step as your "
+                             "job does, without autocast; put the autocast in your stage module (or FSDP2's "
+                             "MixedPrecisionPolicy in your parallelize function)")
+        factory = spec.optimizer
+        spec = dataclasses.replace(spec, step=pipelines.Pipelined(schedule), optimizer=None if factory is None else (
+            lambda model: steps.prepare(model, Mode.TRAIN, factory).optimizer))
+    return spec, pipelines.positions(schedule, device_mesh, math.prod(size for _, size in spec.strategy.mesh))
 
 
 @contextlib.contextmanager
@@ -606,13 +640,14 @@ def _warm_up(model: nn.Module, optimizer, scaler) -> None:
 
 
 def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: RealTensors,
-                  module_names: dict[int, str]):
+                  module_names: dict[int, str], schedule=None):
     """Build the state the user's step is handed (``spec.optimizer(model)``) and run the step once,
     unrecorded: the steady state, whatever the step keeps between steps (optimizer state,
     gradients it does not set to None, an EMA copy, a list it appends to).  The step function is
     a copy whose closure and global containers are copies, the model it names the fake one
-    (``fake.isolated``).  ``state``: ``steps.user_state_tensors``; ``kept``: the other storages the
-    setup and the warm-up step left alive (held by the step's code)."""
+    (``fake.isolated``).  ``state``: ``steps.user_state_tensors`` (and a job's pipeline ``schedule``'s
+    receive buffers); ``kept``: the other storages the setup and the warm-up step left alive (held by
+    the step's code)."""
     fn = isolated(spec.step, memo)
     births = Tracker(module_names, spec.target)  # every storage the setup and the warm-up create
     with births, real:
@@ -629,6 +664,8 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
         del result
     gc.collect()
     state = steps.user_state_tensors(fmodel, user_state, fsample)
+    if schedule is not None:
+        state.setdefault(Category.COMMUNICATION, {}).update(pipelines.buffers(schedule))
     known = {t.untyped_storage()._cdata for tensors in state.values() for t in tensors.values()}
     kept = [s for s in births.alive_storages() if s._cdata not in known]
 

@@ -124,9 +124,12 @@ def rank_maps(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"device mesh {i}": ranks for i, ranks in enumerate(found.values())}
 
 
-def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
+def parallelize(fn: Callable, model: nn.Module, device_mesh):
     """``fn(model, device_mesh)`` on the fake copy; what it raises is named as its own (fxmem's
-    own plans raise their errors as they are)."""
+    own plans raise their errors as they are).  Returns the pipeline schedule the function returned
+    (``capture.pipelines``), else None."""
+    from estimator.capture import pipelines
+
     try:
         with _chunks_when_read():
             out = fn(model, device_mesh)
@@ -135,10 +138,14 @@ def parallelize(fn: Callable, model: nn.Module, device_mesh) -> None:
     except Exception as exc:  # noqa: BLE001 (the user's code: any error is theirs, named)
         raise CaptureError(f"Strategy(parallelize={function_name(fn)}) raised on the fake copy of the model: "
                            f"{type(exc).__name__}: {exc}") from exc
+    if pipelines.is_schedule(out):
+        return out
     if out is not None and out is not model:
         raise InputError(f"Strategy(parallelize={function_name(fn)}) returned a new object ({type(out).__name__}); "
                          "fxmem estimates the model it hands the function, changed in place (as fully_shard and "
-                         "parallelize_module change it): return None or the model")
+                         "parallelize_module change it): return None, the model, or the pipeline schedule of this "
+                         "rank's stage")
+    return None
 
 
 class Chunks(Sequence):
@@ -287,11 +294,15 @@ def offload(model: nn.Module, cuda: bool) -> Offload | None:
     return Offload(params, not any(hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather") for p in params))
 
 
-def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
+def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...], rank: int = 0,
+          places: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
     """The ranks grouped by the local shapes of the model's DTensor parameters and buffers
     (``_compute_local_shape_and_global_offset`` at each rank's coordinate on the tensor's own mesh:
     the job's, one of its sub-meshes, or another mesh over the same ranks, such as transformers'
-    expert mesh), in rank order; one group when the model holds no DTensor."""
+    expert mesh), in rank order; one group when the model holds no DTensor.  ``places``: each
+    rank's place in its pipeline (``pipelines.positions``); the model is ``rank``'s stage, so ranks
+    at other places are grouped by their place alone (their own capture groups them further:
+    ``parts``)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
@@ -301,12 +312,22 @@ def roles(model: nn.Module, mesh: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     world = math.prod(size for _, size in mesh)
     coordinates = {on: _mesh_coordinates(on, world) for _, _, on in layouts}
     groups: dict[tuple, list[int]] = {}
-    for rank in range(world):
-        local = tuple(_compute_local_shape_and_global_offset(shape, tuple(on.shape), coordinates[on][rank],
+    for other in range(world):
+        if places is not None and places[other] != places[rank]:
+            groups.setdefault((places[other],), []).append(other)
+            continue
+        local = tuple(_compute_local_shape_and_global_offset(shape, tuple(on.shape), coordinates[on][other],
                                                              placements, skip_offset=True)[0]
                       for shape, placements, on in layouts)
-        groups.setdefault(local, []).append(rank)
+        groups.setdefault((-1 if places is None else places[other], local), []).append(other)
     return tuple(tuple(ranks) for ranks in groups.values())
+
+
+def parts(ranks: tuple[int, ...], found: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:
+    """``ranks`` (a role) split as the roles its first rank's capture ``found`` split them: a
+    pipeline's ranks at another place in it were grouped by their place alone (``roles``)."""
+    inside = [part for part in found if set(part) <= set(ranks)]
+    return inside if sum(map(len, inside)) == len(ranks) else [ranks]
 
 
 def split_roles(roles: tuple[tuple[int, ...], ...], groups: Mapping[tuple[int, ...], Mapping[int, tuple]],

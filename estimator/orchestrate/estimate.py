@@ -72,9 +72,21 @@ def _report(checked: Checked, formula: Formula | None = None) -> Report:
     captured = capture_step(checked, formula)
     # the other roles run the same code: where this one had to take its routers' bound, they start there
     start = checked if captured.bound is None else checked.with_policy(captured.bound)
-    others = {ranks: start.at_rank(ranks[0]) for ranks in captured.roles if checked.spec.rank not in ranks}
-    capture_each(list(others.values()))  # the other roles, in worker processes where there are several
-    return result(checked, captured, {ranks: capture_step(other) for ranks, other in others.items()})
+    steps = {ranks: captured for ranks in captured.roles if checked.spec.rank in ranks}
+    pending = [ranks for ranks in captured.roles if checked.spec.rank not in ranks]
+    while pending:  # one rank of each other role; a pipeline's other stages group their ranks themselves
+        others = {ranks: start.at_rank(ranks[0]) for ranks in pending}
+        capture_each(list(others.values()))  # in worker processes where there are several
+        pending = []
+        for ranks, other in others.items():
+            step = capture_step(other)
+            for part in world.parts(ranks, step.roles):
+                if ranks[0] in part:
+                    steps[part] = step
+                else:
+                    pending.append(part)
+    roles = tuple(sorted(steps))
+    return result(checked, dataclasses.replace(captured, roles=roles), steps)
 
 
 @collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it
@@ -82,6 +94,9 @@ def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...],
     """The report of the request ``checked`` from its captured step: one device's, or every
     rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks)."""
     spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch
+    if batch % captured.multiple:
+        raise InputError(f"your pipeline schedule splits the batch into {captured.multiple} micro-batches: the batch "
+                         f"must be a multiple of {captured.multiple}, got {batch}")
     notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
         ran = {op.op for op in captured.timeline.ops} | {site.op for site in captured.data_dependent}
@@ -112,7 +127,7 @@ def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...],
         "target": spec.target,
         "seq": captured.seq,
         "seq_range": captured.seq_range or (2, None),
-        "multiple": strategy.multiple,
+        "multiple": max(strategy.multiple, captured.multiple),
         "strategy": strategy,
         "data_dependent": captured.data_dependent,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -51,6 +51,7 @@ class Formula:
     reads_values: bool = True  # it follows the values of the sample or weights (``RawCapture.reads_values``)
     roles: tuple[tuple[int, ...], ...] = ()  # Strategy(mesh=): the ranks grouped by their program (``RawCapture``)
     bound: Policy | None = None  # the routers' bound the captures had to take (``RawCapture.bound``)
+    multiple: int = 1  # b must be a multiple of it: a job's pipeline schedule's micro-batches (``RawCapture``)
 
     @property
     def seq_range_lo(self) -> int:
@@ -104,12 +105,12 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         if raw.rounded:
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
-        sites, reads_values, roles = raw.data_dependent, raw.reads_values, raw.roles
+        sites, reads_values, roles, multiple = raw.data_dependent, raw.reads_values, raw.roles, raw.multiple
         symbolic_regions = raw.symbolic_regions
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         spec = _as_found(spec, exc)
-        path, guards, valid_from, symbolic_regions = CapturePath.CONCRETE, (), 2, False
+        path, guards, valid_from, symbolic_regions, multiple = CapturePath.CONCRETE, (), 2, False, 1
         reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
             timeline, graph, valid_to, note, host_notes, sites, roles = _concrete(model, sample, spec, hint, exc)
@@ -120,7 +121,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             # the capture at this size is exact, and holds for it alone
             raw = capture(model, sample, spec, hint, symbolic=False)
             timeline, graph, valid_from, valid_to, sites = account(raw), raw.graph, hint, hint, raw.data_dependent
-            roles = raw.roles
+            roles, multiple = raw.roles, raw.multiple
             why = ("the compiler's choices follow the sizes" if spec.compiled is not None else
                    "the model's Python depends on the batch size, e.g. a loop over its rows")
             note = (f"symbolic capture failed ({exc}) and the programs at b = {hint} and {hint + 1} run different "
@@ -144,7 +145,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         notes.append(note)
     bound = spec.data_dependent if spec.data_dependent is not given else None
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
-                   reads_values, roles, bound)
+                   reads_values, roles, bound, multiple)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,

@@ -158,9 +158,11 @@ class Strategy:
                     raise InputError(f"Strategy({name}=) configures a pipeline: give pipeline >= 2 stages")
             return
         if self.sharding is not None:
-            raise InputError(f"Strategy(pipeline=) with sharding={self.sharding.value!r} is not modelled (each "
-                             "stage's data-parallel ranks as DDP replicas are: leave sharding=None; a job's own "
-                             "FSDP2 of its stages needs its pipeline run by the capture, which fxmem does not do yet)")
+            raise InputError(f"Strategy(pipeline=) with sharding={self.sharding.value!r}: fxmem's own pipeline "
+                             "model gives each stage's data-parallel ranks as DDP replicas (leave sharding=None); "
+                             "FSDP2 of the stages runs as your job writes it: Strategy(mesh={'pp': S, 'dp_shard': D}, "
+                             "parallelize=fn), fn cutting the model to the rank's stage, sharding it and returning "
+                             "its pipeline schedule (models_zoo/parallelize.py sequential_pipeline is one)")
         if self.accumulate > 1:
             raise InputError(
                 "Strategy(pipeline=) with accumulate > 1: a pipeline already accumulates its micro-batches; "

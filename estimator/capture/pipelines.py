@@ -1,0 +1,340 @@
+"""A job's own pipeline schedule: ``torch.distributed.pipelining`` run as written, each rank's
+stages on the fake process group.
+
+``Strategy(mesh={"pp": 2, "dp_shard": 2}, parallelize=fn)`` where ``fn(model, mesh)`` cuts the model
+in place to this rank's stage (the modules of the other stages deleted), wraps it as the job
+does (``fully_shard``, ``replicate``, ``parallelize_module``), builds its ``PipelineStage`` and
+returns the schedule (``ScheduleGPipe(stage, n_microbatches, loss_fn=...)``, ...).  The step
+(``step``, the real job's too) is torchtitan's: ``schedule.step(inputs, target=, losses=)``,
+the inputs given to the first stage, the target to the last, then the optimizer over the stage's
+parameters.  The schedule's forwards, backwards, sends and receives, FSDP2's or DDP's hooks in
+them, run as written; what another rank would answer, the capture answers (``answered``):
+
+- The warm-up vote (``schedules.py`` ``_warmup_p2p``: the product of every stage's vote, 1 for a
+  stage whose shapes were given, ``PipelineStage(input_args=, output_args=)``): every stage
+  votes as this one (they run the job's same code).  A stage without its shapes needs the
+  neighbours' metadata (the dynamic mode's ``recv_object_list``): refused, naming the fix.
+- The shapes: the schedule splits the batch along dim 0 into ``n_microbatches`` chunks (its
+  default ``TensorChunkSpec(0)``), so the stage's given shapes describe one micro-batch: their dim
+  0 becomes the micro-batch of the estimated batch (a symbol in a symbolic capture), so one
+  capture answers every batch, as the dynamic mode's inference would.
+- The sends: gloo's send and receive works hold their tensor until the work is dropped
+  (``ProcessGroupGloo.cpp`` ``SendWork`` / ``RecvWork``: ``tensor_``); the fake process group's
+  hold nothing, so the capture's works do (``_Held``); a batch of them runs op by op, as
+  ``batch_isend_irecv`` does for a backend without coalescing (gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from estimator.corrections.patches import patched
+from estimator.vocab.errors import FxmemError, InputError
+
+__all__ = ["Pipelined", "answered", "buffers", "is_schedule", "notes", "positions", "stages", "step"]
+
+
+def is_schedule(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.pipelining`` schedule."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    return isinstance(value, _PipelineSchedule)
+
+
+def stages(schedule) -> list:
+    """The schedule's stages on this rank (one for ``PipelineScheduleSingle``)."""
+    many = getattr(schedule, "_stages", None)
+    return list(many) if many is not None else [schedule._stage]
+
+
+def split_sample(sample: Any) -> tuple[tuple, Any]:
+    """``(inputs, target)`` of a pipeline's sample: ``(input, target)`` (the input a tensor or a tuple
+    of them) or a dict with ``labels`` (the other entries the inputs, in order)."""
+    if isinstance(sample, Mapping) and "labels" in sample:
+        return tuple(v for k, v in sample.items() if k != "labels"), sample["labels"]
+    if isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[1], torch.Tensor):
+        inputs = sample[0]
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), sample[1]
+    raise InputError(f"a pipeline's sample is (input, target) or a dict with 'labels' (torchtitan's inputs and "
+                     f"labels): the first stage gets the input, the last the target; got {type(sample).__name__}")
+
+
+def step(schedule, sample: Any, optimizer) -> tuple[Any, list]:
+    """One training step of the pipeline, as torchtitan's ``train_step`` runs it:
+    ``schedule.step(*inputs, target=, losses=)`` (the inputs on the first stage, the target and
+    the losses on the last), then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+    Returns the last stage's merged output (None elsewhere) and its losses."""
+    inputs, target = split_sample(sample)
+    own = stages(schedule)
+    first, last = any(s.is_first for s in own), any(s.is_last for s in own)
+    losses: list = []
+    out = schedule.step(*(inputs if first else ()), target=target if last else None,
+                        losses=losses if last else None)
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out, losses
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipelined:
+    """The built-in step of a job whose parallelize function returned its pipeline schedule:
+    ``step``, called as a user's step ``(model, sample, optimizer)``."""
+
+    schedule: Any
+
+    def __call__(self, model: nn.Module, sample: Any, state: Any = None) -> Any:
+        return step(self.schedule, sample, state)
+
+    def __str__(self) -> str:
+        return f"pipeline step ({type(self.schedule).__name__})"
+
+
+def check(schedule, model: nn.Module, train: bool) -> None:
+    """The schedule runs the model the capture estimates: each stage's module is the model or one of
+    its modules, and every parameter of the model is in a stage (the others' were deleted)."""
+    if not train:
+        raise InputError("Strategy(parallelize=) returned a pipeline schedule: fxmem runs it for mode='train' "
+                         "(schedule.step with its loss_fn); inference through a pipeline is not supported")
+    if getattr(schedule, "_loss_fn", None) is None:
+        raise InputError("Strategy(parallelize=) returned a pipeline schedule without loss_fn: a training step's "
+                         "last stage computes the loss (ScheduleGPipe(stage, n_microbatches, loss_fn=...))")
+    modules = {id(m) for m in model.modules()}
+    own = stages(schedule)
+    if any(id(s.submod) not in modules for s in own):
+        raise InputError("Strategy(parallelize=) returned a pipeline schedule whose stage module is not the model "
+                         "or one of its modules: cut the model in place to this rank's stage (delete the other "
+                         "stages' modules, as torchtitan's pipeline split does on its copy) and build the stage on it")
+    staged = {id(p) for s in own for p in s.submod.parameters()}
+    outside = [name for name, p in model.named_parameters() if id(p) not in staged]
+    if outside:
+        raise InputError(f"Strategy(parallelize=) left {len(outside)} parameters outside this rank's pipeline stages "
+                         f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}): delete the modules of the "
+                         "other stages from the model, as the rank's real job holds only its own")
+
+
+def positions(schedule, device_mesh, world: int) -> list[int]:
+    """Each rank's place in its pipeline: its coordinate along the mesh dim whose process group is
+    the stages' (``PipelineStage(group=)``; the default group: the rank itself)."""
+    import torch.distributed as dist
+
+    group = stages(schedule)[0].group
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+    if len(ranks) == world:
+        return list(range(world))
+    for d in range(device_mesh.ndim):
+        along = device_mesh.mesh.movedim(d, -1).reshape(-1, device_mesh.mesh.shape[d])
+        if any(tuple(row.tolist()) == ranks for row in along):
+            place = [0] * world
+            for row in along.tolist():
+                for i, rank in enumerate(row):
+                    place[rank] = i
+            return place
+    raise InputError(f"the pipeline stages' process group (ranks {list(ranks)}) is no dim of the device mesh: build "
+                     "the stages with group=mesh['pp'].get_group() (a dim of the mesh fxmem hands your function)")
+
+
+def notes(schedule) -> tuple[str, ...]:
+    """What the report of a job's pipeline says about it."""
+    m = schedule._n_microbatches
+    return (f"your pipeline schedule ({type(schedule).__name__}) runs {m} micro-batches of b/{m} per step (b must be a "
+            f"multiple of {m}), as written, on this rank's stages; the stages' given shapes (input_args, output_args: "
+            "one micro-batch) are taken at each batch's micro-batch (dim 0, the schedule's chunking dim); each "
+            "send and receive holds its tensor until the schedule drops its work, as gloo's do",)
+
+
+def buffers(schedule) -> dict[str, torch.Tensor]:
+    """The receive buffers the stages made in their first step and keep (``stage.py``
+    ``_setup_forward_recv_info`` / ``_create_grad_recv_info``: one per micro-batch and input, and
+    per output's gradient), by name."""
+    found = {}
+    for s in stages(schedule):
+        for kind in ("args_recv_info", "grad_recv_info"):
+            for chunk, infos in getattr(s, kind, {}).items():
+                for i, info in enumerate(infos):
+                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                        found[f"stage {s.stage_index} {kind.split('_')[0]} receive buffer {chunk}.{i}"] = info.buffer
+    return found
+
+
+class _Held:
+    """A point-to-point work that holds its tensor while it lives, as gloo's do."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self._work, self._tensor = work, tensor
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+class NeedsInputs(FxmemError):
+    """A later stage in the dynamic mode: what it receives is the earlier stages' output
+    (``input_shapes``), which the capture of its rank finds before it starts."""
+
+    def __init__(self, stage: int, ranks: tuple[int, ...]):
+        super().__init__(f"pipeline stage {stage} needs the shapes of the earlier stages' outputs")
+        self.stage, self.ranks = stage, ranks  # the pipeline's ranks, by place
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """A stage input's metadata at any micro-batch: each of its sizes and strides ``a * rows + c``."""
+
+    meta: Any  # at ``rows`` = 0 (the metadata class and its other fields)
+    slopes: dict[str, tuple[int, ...]]
+
+    def at(self, rows):
+        return dataclasses.replace(self.meta, **{
+            name: type(getattr(self.meta, name))(a * rows + c for a, c in zip(slope, getattr(self.meta, name)))
+            for name, slope in self.slopes.items()})
+
+
+_SIZES = ("shape", "stride", "global_shape", "global_stride")
+_ROWS = (4, 5)  # the micro-batch rows of the two forwards each size is solved from
+
+
+def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs, target) -> tuple[Affine, ...]:
+    """What stage ``needs.stage`` receives, at any micro-batch: the forwards of the stages before it,
+    each run as a rank at its place (``world.joined``: the job's function cutting its own fake copy of
+    the model, ``fake.fake_model``), the first on the sample's first micro-batch, each later one on
+    the previous one's output, at two micro-batch sizes: every size and stride of what they pass on
+    is then ``a * rows + c`` (dim 0 the rows, a flattened ``rows * s``, ...)."""
+    from torch.distributed.pipelining._utils import extract_tensor_metas, validate_and_normalize_to_tuple
+
+    from estimator import corrections
+    from estimator.capture import world
+    from estimator.capture.fake import fake_model, fake_sample
+
+    found = []
+    for rows in _ROWS:
+        metas = None
+        for place in range(needs.stage):
+            mode = FakeTensorMode()
+            with world.joined(strategy.mesh, needs.ranks[place]) as device_mesh:
+                fmodel = fake_model(model, mode)
+                corrections.apply_model_rules(target, fmodel)
+                schedule = world.parallelize(strategy.parallelize, fmodel, device_mesh)
+                own = [s for s in stages(schedule) if s.stage_index == place] if is_schedule(schedule) else []
+                if not own:
+                    raise InputError(f"Strategy(parallelize=) on rank {needs.ranks[place]} built no pipeline stage "
+                                     f"{place}: every rank of the pipeline's group must run one stage, in order")
+                with mode, torch.enable_grad():
+                    if place == 0:
+                        m = schedule._n_microbatches
+                        inputs, _ = split_sample(fake_sample(sample, mode, rows * m, False))
+                        args = tuple(torch.tensor_split(t, m)[0] for t in inputs)
+                    else:
+                        args = tuple(meta.to_tensor("cpu") for meta in metas)
+                    out = own[0].submod(*args)
+                metas = extract_tensor_metas(validate_and_normalize_to_tuple(out))
+        found.append(metas)
+    return tuple(_affine(*pair) for pair in zip(*found))
+
+
+def _affine(low, high) -> Affine:
+    (r0, r1), slopes, at0 = _ROWS, {}, {}
+    for name in _SIZES:
+        if not hasattr(low, name):
+            continue
+        a, b = getattr(low, name), getattr(high, name)
+        if len(a) != len(b) or any((y - x) * r0 % (r1 - r0) for x, y in zip(a, b)):
+            raise InputError(f"a pipeline stage's output changes rank or size irregularly with the micro-batch "
+                             f"({tuple(a)} at {r0} rows, {tuple(b)} at {r1}): give the stages their shapes "
+                             "(PipelineStage input_args=, output_args=)")
+        slopes[name] = tuple((y - x) // (r1 - r0) for x, y in zip(a, b))
+        at0[name] = type(a)(x - s * r0 for x, s in zip(a, slopes[name]))
+    return Affine(dataclasses.replace(low, **at0), slopes)
+
+
+@contextlib.contextmanager
+def answered(schedule, rows, inputs: tuple[Affine, ...] | None = None) -> Iterator[None]:
+    """While the capture runs ``schedule``: what the other ranks would answer (module docstring);
+    ``rows``: the micro-batch's rows (dim 0 of the schedule's chunks); ``inputs``: what this rank's
+    stage receives in the dynamic mode (``input_shapes``; None: raise ``NeedsInputs`` for it)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+    )
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    vote = schedules._PipelineSchedule._warmup_p2p
+
+    def warmup_p2p(self, stages_, has_backward, p2p_done):
+        if not all(isinstance(s, PipelineStage) for s in stages_):
+            return vote(self, stages_, has_backward, p2p_done)
+        for s in stages_:
+            if not InferenceMode.needs_dynamic(s._user_meta, has_backward):
+                s._user_meta, s._inference_mode = _resized(s._user_meta, rows), InferenceMode.STATIC
+                continue
+            if len(stages_) > 1:
+                raise InputError(f"pipeline stage {s.stage_index} was built without its shapes, and this rank runs "
+                                 f"{len(stages_)} stages: give each PipelineStage input_args= and output_args= (one "
+                                 "micro-batch's tensors): static mode")
+            if not s.is_first and inputs is None:
+                group = s.group
+                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
+                    tuple(range(dist.get_world_size()))
+                raise NeedsInputs(s.stage_index, ranks)
+            s._inference_mode = InferenceMode.DYNAMIC
+
+    def recv_meta(self, src_stage):
+        if src_stage < self.stage_index:
+            return _StageForwardMeta(forward_metas=tuple(shape.at(rows) for shape in inputs))
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    isend, irecv = (held(op) for op in (c10d.isend, c10d.irecv))
+
+    def batch_isend_irecv(ops):  # gloo's way: each op on its own (no coalescing)
+        return [op.op(op.tensor, group=op.group, tag=op.tag,
+                      **{"group_dst" if op.op is isend else "group_src": op.group_peer}) for op in ops]
+
+    with patched(schedules._PipelineSchedule, "_warmup_p2p", warmup_p2p), \
+            patched(PipelineStage, "_recv_meta", recv_meta), \
+            patched(PipelineStage, "_send_meta", lambda self, meta, dst_stage: None), \
+            patched(vars(c10d), "isend", isend), patched(vars(c10d), "irecv", irecv), \
+            patched(vars(dist), "isend", isend), patched(vars(dist), "irecv", irecv), \
+            patched(vars(c10d), "batch_isend_irecv", batch_isend_irecv), \
+            patched(vars(dist), "batch_isend_irecv", batch_isend_irecv):
+        yield
+
+
+def held(op):
+    """``op`` (``isend`` / ``irecv``) whose work holds its tensor (``_Held``)."""
+    def call(tensor, *args, **kwargs):
+        return _Held(op(tensor, *args, **kwargs), tensor)
+    return call
+
+
+def _resized(meta, rows):
+    """The stage's given shapes with dim 0 the micro-batch's rows."""
+    def one(m):
+        if m is None or not m.shape:
+            return m
+        sizes = {"shape": torch.Size([rows, *m.shape[1:]])}
+        if getattr(m, "global_shape", None):
+            sizes["global_shape"] = torch.Size([rows, *m.global_shape[1:]])
+        return dataclasses.replace(m, **sizes)
+
+    return dataclasses.replace(meta, **{name: None if value is None else tuple(one(m) for m in value)
+                                        for name in ("inputs", "outputs", "input_grads", "output_grads")
+                                        for value in [getattr(meta, name)]})
+
+
+def micro_rows(schedule, sample: Any):
+    """The rows of the schedule's first micro-batch: ``torch.tensor_split`` of the sample's first
+    tensor along dim 0, as the schedule splits it."""
+    tensors = [t for t in tree_flatten(split_sample(sample))[0] if isinstance(t, torch.Tensor)]
+    return torch.tensor_split(tensors[0], schedule._n_microbatches)[0].shape[0]
