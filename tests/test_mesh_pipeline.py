@@ -181,3 +181,62 @@ def test_the_derived_pipeline_model_agrees_with_the_jobs_own_schedule(schedule):
     run = _report(_pipeline(schedule=schedule), mesh={"pp": 2})
     for b in (64, 128):
         assert [r.report.at(b) - d.report.at(b) for r, d in zip(run.ranks, derived.ranks)] == [b * 256 * 4] * 2
+
+
+_MLP_PIPELINE = '''
+import torch
+from torch import nn
+
+
+def pipeline(model, mesh):
+    """The zoo's MLP over 2 stages: its body on stage 0, its head on stage 1 (shapes inferred)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage = mesh["pp"].get_local_rank()
+    if stage == 0:
+        model.head = nn.Identity()
+    else:
+        model.body = nn.Sequential()
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return ScheduleGPipe(PipelineStage(model, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
+                         n_microbatches=2, loss_fn=nn.functional.cross_entropy)
+'''
+
+
+def test_cli_runs_a_pipeline_from_a_file(tmp_path):
+    from click.testing import CliRunner
+
+    from estimator.cli import cli
+
+    path = tmp_path / "job.py"
+    path.write_text(_MLP_PIPELINE)
+    result = CliRunner().invoke(cli, ["report", "mlp", "--device", "cpu", "-q", "--batch", "8", "--mesh",
+                                      "pp=2,dp_shard=2", "--parallelize", f"{path}:pipeline"])
+    assert result.exit_code == 0, result.output
+    assert "pp 0 of 2" in result.output and "pp 1 of 2" in result.output
+    assert "ScheduleGPipe) runs 2 micro-batches of b/2" in result.output and "dynamic mode" in result.output
+
+
+def _interleaved(model, mesh, rows: int = 8):
+    """``ScheduleInterleaved1F1B``: 4 stages (a Linear and its ReLU each) on 2 ranks, rank r running
+    stages r and r + 2 (the model's Sequential holding the rank's two chunks), their shapes given."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    seq, pp = model.seq, mesh["pp"]
+    rank, ranks = pp.get_local_rank(), pp.size()
+    chunks = nn.ModuleList([seq[2 * s: 2 * s + 2] for s in (rank, rank + ranks)])
+    for name in list(seq._modules):
+        del seq._modules[name]
+    seq.add_module("chunks", chunks)
+    stages = [PipelineStage(chunk, s, 2 * ranks, torch.device("cpu"), group=pp.get_group(),
+                            input_args=(torch.empty(rows, 256, requires_grad=s > 0),),
+                            output_args=(torch.empty(rows, 256, requires_grad=True),))
+              for chunk, s in zip(chunks, (rank, rank + ranks))]
+    return ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+
+
+def test_several_stages_a_rank():
+    """An interleaved schedule's two stages a rank, as written: measured on 2 gloo processes (the same
+    function; 2,794,524 and 2,892,828 B)."""
+    assert _per_rank(_report(_interleaved, mesh={"pp": 2}, batch=32)) == {0: 2_794_524, 1: 2_892_828}

@@ -12,12 +12,17 @@ them, run as written; what another rank would answer, the capture answers (``ans
 
 - The warm-up vote (``schedules.py`` ``_warmup_p2p``: the product of every stage's vote, 1 for a
   stage whose shapes were given, ``PipelineStage(input_args=, output_args=)``): every stage
-  votes as this one (they run the job's same code).  A stage without its shapes needs the
-  neighbours' metadata (the dynamic mode's ``recv_object_list``): refused, naming the fix.
-- The shapes: the schedule splits the batch along dim 0 into ``n_microbatches`` chunks (its
-  default ``TensorChunkSpec(0)``), so the stage's given shapes describe one micro-batch: their dim
-  0 becomes the micro-batch of the estimated batch (a symbol in a symbolic capture), so one
-  capture answers every batch, as the dynamic mode's inference would.
+  votes as this one (they run the job's same code).
+- Given shapes (static mode): the schedule splits the batch along dim 0 into ``n_microbatches``
+  chunks (its default ``TensorChunkSpec(0)``), so the stage's given shapes describe one
+  micro-batch: their dim 0 becomes the micro-batch of the estimated batch (a symbol in a symbolic
+  capture), so one capture answers every batch.
+- Inferred shapes (dynamic mode, torchtitan's): a later stage receives the earlier stage's output
+  metadata (``_recv_meta``).  Its capture stops at the vote (``NeedsInputs``) and
+  ``input_shapes`` runs the earlier stages' forwards first, each as a rank of its place, at three
+  micro-batch sizes (each size and stride then ``a * rows + c``: ``Affine``); the capture answers
+  ``_recv_meta`` with them, and the gradient the next stage sends back as ``_derive_grad_metas`` of
+  the stage's outputs (static mode's derivation); ``_send_meta`` sends nothing.
 - The sends: gloo's send and receive works hold their tensor until the work is dropped
   (``ProcessGroupGloo.cpp`` ``SendWork`` / ``RecvWork``: ``tensor_``); the fake process group's
   hold nothing, so the capture's works do (``_Held``); a batch of them runs op by op, as
@@ -39,7 +44,8 @@ from torch.utils._pytree import tree_flatten
 from estimator.corrections.patches import patched
 from estimator.vocab.errors import FxmemError, InputError
 
-__all__ = ["Pipelined", "answered", "buffers", "is_schedule", "notes", "positions", "stages", "step"]
+__all__ = ["NeedsInputs", "Pipelined", "answered", "buffers", "check", "input_shapes", "is_schedule", "micro_rows",
+           "notes", "positions", "split_sample", "stages", "step"]
 
 
 def is_schedule(value: Any) -> bool:
@@ -144,11 +150,18 @@ def positions(schedule, device_mesh, world: int) -> list[int]:
 
 def notes(schedule) -> tuple[str, ...]:
     """What the report of a job's pipeline says about it."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
     m = schedule._n_microbatches
+    if all(getattr(s, "_inference_mode", None) is InferenceMode.DYNAMIC for s in stages(schedule)):
+        shapes = ("the stages infer their shapes in their first step (dynamic mode): what a later stage receives is "
+                  "the earlier stages' output, found by running their forwards first, each as a rank of its place")
+    else:
+        shapes = ("the stages' given shapes (input_args, output_args: one micro-batch) are taken at each batch's "
+                  "micro-batch (dim 0, the schedule's chunking dim)")
     return (f"your pipeline schedule ({type(schedule).__name__}) runs {m} micro-batches of b/{m} per step (b must be a "
-            f"multiple of {m}), as written, on this rank's stages; the stages' given shapes (input_args, output_args: "
-            "one micro-batch) are taken at each batch's micro-batch (dim 0, the schedule's chunking dim); each "
-            "send and receive holds its tensor until the schedule drops its work, as gloo's do",)
+            f"multiple of {m}), as written, on this rank's stages; {shapes}; each send and receive holds its tensor "
+            "until the schedule drops its work, as gloo's do",)
 
 
 def buffers(schedule) -> dict[str, torch.Tensor]:
@@ -198,15 +211,15 @@ class Affine:
 
 
 _SIZES = ("shape", "stride", "global_shape", "global_stride")
-_ROWS = (4, 5)  # the micro-batch rows of the two forwards each size is solved from
+_ROWS = (4, 5, 6)  # the micro-batch rows of the forwards each size is solved from (consecutive: steps of 1)
 
 
 def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs, target) -> tuple[Affine, ...]:
     """What stage ``needs.stage`` receives, at any micro-batch: the forwards of the stages before it,
     each run as a rank at its place (``world.joined``: the job's function cutting its own fake copy of
     the model, ``fake.fake_model``), the first on the sample's first micro-batch, each later one on
-    the previous one's output, at two micro-batch sizes: every size and stride of what they pass on
-    is then ``a * rows + c`` (dim 0 the rows, a flattened ``rows * s``, ...)."""
+    the previous one's output, at three micro-batch sizes: every size and stride of what they pass on
+    is then ``a * rows + c`` (dim 0 the rows, a flattened ``rows * s``, ...), checked."""
     from torch.distributed.pipelining._utils import extract_tensor_metas, validate_and_normalize_to_tuple
 
     from estimator import corrections
@@ -239,19 +252,22 @@ def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs, ta
     return tuple(_affine(*pair) for pair in zip(*found))
 
 
-def _affine(low, high) -> Affine:
-    (r0, r1), slopes, at0 = _ROWS, {}, {}
+def _affine(*metas) -> Affine:
+    """The metadata of one input at ``_ROWS`` as ``Affine``; a size that is not affine in the rows
+    (its steps between consecutive row counts differ) is refused."""
+    slopes, at0 = {}, {}
     for name in _SIZES:
-        if not hasattr(low, name):
+        if not hasattr(metas[0], name):
             continue
-        a, b = getattr(low, name), getattr(high, name)
-        if len(a) != len(b) or any((y - x) * r0 % (r1 - r0) for x, y in zip(a, b)):
-            raise InputError(f"a pipeline stage's output changes rank or size irregularly with the micro-batch "
-                             f"({tuple(a)} at {r0} rows, {tuple(b)} at {r1}): give the stages their shapes "
-                             "(PipelineStage input_args=, output_args=)")
-        slopes[name] = tuple((y - x) // (r1 - r0) for x, y in zip(a, b))
-        at0[name] = type(a)(x - s * r0 for x, s in zip(a, slopes[name]))
-    return Affine(dataclasses.replace(low, **at0), slopes)
+        sizes = [tuple(getattr(m, name)) for m in metas]
+        steps = {tuple(y - x for x, y in zip(low, high)) for low, high in zip(sizes, sizes[1:])}
+        if len({len(v) for v in sizes}) > 1 or len(steps) > 1:
+            raise InputError(f"a pipeline stage's output {name} does not grow linearly with the micro-batch "
+                             f"({', '.join(map(str, sizes))} at {', '.join(map(str, _ROWS))} rows): give the stages "
+                             "their shapes (PipelineStage input_args=, output_args=)")
+        slopes[name] = steps.pop()
+        at0[name] = type(getattr(metas[0], name))(x - a * _ROWS[0] for x, a in zip(sizes[0], slopes[name]))
+    return Affine(dataclasses.replace(metas[0], **at0), slopes)
 
 
 @contextlib.contextmanager
