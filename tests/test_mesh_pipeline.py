@@ -218,9 +218,11 @@ def test_cli_runs_a_pipeline_from_a_file(tmp_path):
     assert "ScheduleGPipe) runs 2 micro-batches of b/2" in result.output and "dynamic mode" in result.output
 
 
-def _interleaved(model, mesh, rows: int = 8):
-    """``ScheduleInterleaved1F1B``: 4 stages (a Linear and its ReLU each) on 2 ranks, rank r running
-    stages r and r + 2 (the model's Sequential holding the rank's two chunks), their shapes given."""
+def _interleaved(model, mesh, rows: int | None = None):
+    """``ScheduleInterleaved1F1B``: 4 stages (a Linear and its ReLU each) on 2 pipeline ranks, rank r
+    running stages r and r + 2 (the model's Sequential holding the rank's two chunks), each chunk
+    under FSDP2 over ``dp_shard`` if the mesh has it; their shapes given (``rows``) or inferred."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     seq, pp = model.seq, mesh["pp"]
@@ -229,14 +231,25 @@ def _interleaved(model, mesh, rows: int = 8):
     for name in list(seq._modules):
         del seq._modules[name]
     seq.add_module("chunks", chunks)
-    stages = [PipelineStage(chunk, s, 2 * ranks, torch.device("cpu"), group=pp.get_group(),
-                            input_args=(torch.empty(rows, 256, requires_grad=s > 0),),
-                            output_args=(torch.empty(rows, 256, requires_grad=True),))
+    for chunk in chunks if "dp_shard" in mesh.mesh_dim_names else ():
+        fully_shard(chunk, mesh=mesh["dp_shard"], reshard_after_forward=False)
+
+    def shapes(s: int) -> dict:
+        return {} if rows is None else {"input_args": (torch.empty(rows, 256, requires_grad=s > 0),),
+                                        "output_args": (torch.empty(rows, 256, requires_grad=True),)}
+
+    stages = [PipelineStage(chunk, s, 2 * ranks, torch.device("cpu"), group=pp.get_group(), **shapes(s))
               for chunk, s in zip(chunks, (rank, rank + ranks))]
     return ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
 
 
-def test_several_stages_a_rank():
-    """An interleaved schedule's two stages a rank, as written: measured on 2 gloo processes (the same
-    function; 2,794,524 and 2,892,828 B)."""
-    assert _per_rank(_report(_interleaved, mesh={"pp": 2}, batch=32)) == {0: 2_794_524, 1: 2_892_828}
+@pytest.mark.parametrize(("mesh", "rows", "measured"), [
+    ({"pp": 2}, 8, {0: 2_794_524, 1: 2_892_828}),
+    ({"pp": 2}, None, {0: 2_794_524, 1: 2_892_828}),
+    (PP_FSDP, None, {0: 2_375_712, 1: 2_375_712, 2: 2_424_868, 3: 2_424_868}),
+], ids=["given shapes", "inferred shapes", "inferred shapes, fsdp2"])
+def test_several_stages_a_rank(mesh, rows, measured):
+    """An interleaved schedule's two stages a rank, as written; in the dynamic mode each later stage
+    receives the previous stage's output, found on the rank the schedule places it on
+    (``stage_index_to_group_rank``).  ``measured``: real gloo jobs running the same function."""
+    assert _per_rank(_report(functools.partial(_interleaved, rows=rows), mesh=mesh, batch=32)) == measured

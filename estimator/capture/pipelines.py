@@ -19,7 +19,7 @@ them, run as written; what another rank would answer, the capture answers (``ans
   capture), so one capture answers every batch.
 - Inferred shapes (dynamic mode, torchtitan's): a later stage receives the earlier stage's output
   metadata (``_recv_meta``).  Its capture stops at the vote (``NeedsInputs``) and
-  ``input_shapes`` runs the earlier stages' forwards first, each as a rank of its place, at three
+  ``input_shapes`` runs the earlier stages' forwards first, each on the rank that holds it, at three
   micro-batch sizes (each size and stride then ``a * rows + c``: ``Affine``); the capture answers
   ``_recv_meta`` with them, and the gradient the next stage sends back as ``_derive_grad_metas`` of
   the stage's outputs (static mode's derivation); ``_send_meta`` sends nothing.
@@ -155,7 +155,7 @@ def notes(schedule) -> tuple[str, ...]:
     m = schedule._n_microbatches
     if all(getattr(s, "_inference_mode", None) is InferenceMode.DYNAMIC for s in stages(schedule)):
         shapes = ("the stages infer their shapes in their first step (dynamic mode): what a later stage receives is "
-                  "the earlier stages' output, found by running their forwards first, each as a rank of its place")
+                  "the earlier stages' output, found by running their forwards first, each on the rank that holds it")
     else:
         shapes = ("the stages' given shapes (input_args, output_args: one micro-batch) are taken at each batch's "
                   "micro-batch (dim 0, the schedule's chunking dim)")
@@ -189,12 +189,12 @@ class _Held:
 
 
 class NeedsInputs(FxmemError):
-    """A later stage in the dynamic mode: what it receives is the earlier stages' output
-    (``input_shapes``), which the capture of its rank finds before it starts."""
+    """Later stages in the dynamic mode: what each receives is the previous stage's output
+    (``input_shapes``), which the capture of their rank finds before it starts."""
 
-    def __init__(self, stage: int, ranks: tuple[int, ...]):
-        super().__init__(f"pipeline stage {stage} needs the shapes of the earlier stages' outputs")
-        self.stage, self.ranks = stage, ranks  # the pipeline's ranks, by place
+    def __init__(self, stages_: tuple[int, ...], owners: dict[int, int]):
+        super().__init__(f"pipeline stages {stages_} need the shapes of the earlier stages' outputs")
+        self.stages, self.owners = stages_, owners  # owners: each stage's rank (global)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,33 +214,35 @@ _SIZES = ("shape", "stride", "global_shape", "global_stride")
 _ROWS = (4, 5, 6)  # the micro-batch rows of the forwards each size is solved from (consecutive: steps of 1)
 
 
-def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs, target) -> tuple[Affine, ...]:
-    """What stage ``needs.stage`` receives, at any micro-batch: the forwards of the stages before it,
-    each run as a rank at its place (``world.joined``: the job's function cutting its own fake copy of
-    the model, ``fake.fake_model``), the first on the sample's first micro-batch, each later one on
-    the previous one's output, at three micro-batch sizes: every size and stride of what they pass on
-    is then ``a * rows + c`` (dim 0 the rows, a flattened ``rows * s``, ...), checked."""
+def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs,
+                 target) -> dict[int, tuple[Affine, ...]]:
+    """What each stage of ``needs.stages`` receives, at any micro-batch: the forwards of the stages
+    before it, each run as the rank that holds it (``world.joined``: the job's function cutting its
+    own fake copy of the model, ``fake.fake_model``), the first on the sample's first micro-batch,
+    each later one on the previous one's output, at three micro-batch sizes: every size and stride of
+    what they pass on is then ``a * rows + c`` (dim 0 the rows, a flattened ``rows * s``, ...),
+    checked."""
     from torch.distributed.pipelining._utils import extract_tensor_metas, validate_and_normalize_to_tuple
 
     from estimator import corrections
     from estimator.capture import world
     from estimator.capture.fake import fake_model, fake_sample
 
-    found = []
+    found: dict[int, list] = {index: [] for index in needs.stages}
     for rows in _ROWS:
         metas = None
-        for place in range(needs.stage):
+        for index in range(max(needs.stages)):
             mode = FakeTensorMode()
-            with world.joined(strategy.mesh, needs.ranks[place]) as device_mesh:
+            with world.joined(strategy.mesh, needs.owners[index]) as device_mesh:
                 fmodel = fake_model(model, mode)
                 corrections.apply_model_rules(target, fmodel)
                 schedule = world.parallelize(strategy.parallelize, fmodel, device_mesh)
-                own = [s for s in stages(schedule) if s.stage_index == place] if is_schedule(schedule) else []
+                own = [s for s in stages(schedule) if s.stage_index == index] if is_schedule(schedule) else []
                 if not own:
-                    raise InputError(f"Strategy(parallelize=) on rank {needs.ranks[place]} built no pipeline stage "
-                                     f"{place}: every rank of the pipeline's group must run one stage, in order")
+                    raise InputError(f"Strategy(parallelize=) on rank {needs.owners[index]} built no pipeline stage "
+                                     f"{index}, which the schedule places there")
                 with mode, torch.enable_grad():
-                    if place == 0:
+                    if index == 0:
                         m = schedule._n_microbatches
                         inputs, _ = split_sample(fake_sample(sample, mode, rows * m, False))
                         args = tuple(torch.tensor_split(t, m)[0] for t in inputs)
@@ -248,8 +250,9 @@ def input_shapes(model: nn.Module, sample: Any, strategy, needs: NeedsInputs, ta
                         args = tuple(meta.to_tensor("cpu") for meta in metas)
                     out = own[0].submod(*args)
                 metas = extract_tensor_metas(validate_and_normalize_to_tuple(out))
-        found.append(metas)
-    return tuple(_affine(*pair) for pair in zip(*found))
+            if index + 1 in found:
+                found[index + 1].append(metas)
+    return {index: tuple(_affine(*each) for each in zip(*runs)) for index, runs in found.items()}
 
 
 def _affine(*metas) -> Affine:
@@ -271,10 +274,11 @@ def _affine(*metas) -> Affine:
 
 
 @contextlib.contextmanager
-def answered(schedule, rows, inputs: tuple[Affine, ...] | None = None) -> Iterator[None]:
+def answered(schedule, rows, inputs: dict[int, tuple[Affine, ...]] | None = None) -> Iterator[None]:
     """While the capture runs ``schedule``: what the other ranks would answer (module docstring);
     ``rows``: the micro-batch's rows (dim 0 of the schedule's chunks); ``inputs``: what this rank's
-    stage receives in the dynamic mode (``input_shapes``; None: raise ``NeedsInputs`` for it)."""
+    later stages receive in the dynamic mode, by stage (``input_shapes``; None: raise ``NeedsInputs``
+    for them)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed.pipelining import schedules
@@ -295,20 +299,18 @@ def answered(schedule, rows, inputs: tuple[Affine, ...] | None = None) -> Iterat
             if not InferenceMode.needs_dynamic(s._user_meta, has_backward):
                 s._user_meta, s._inference_mode = _resized(s._user_meta, rows), InferenceMode.STATIC
                 continue
-            if len(stages_) > 1:
-                raise InputError(f"pipeline stage {s.stage_index} was built without its shapes, and this rank runs "
-                                 f"{len(stages_)} stages: give each PipelineStage input_args= and output_args= (one "
-                                 "micro-batch's tensors): static mode")
-            if not s.is_first and inputs is None:
-                group = s.group
-                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-                    tuple(range(dist.get_world_size()))
-                raise NeedsInputs(s.stage_index, ranks)
             s._inference_mode = InferenceMode.DYNAMIC
+        later = tuple(s.stage_index for s in stages_
+                      if s._inference_mode is InferenceMode.DYNAMIC and not s.is_first)
+        if later and inputs is None:
+            group = stages_[0].group
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            owners = {index: list(ranks)[place] for index, place in stages_[0].stage_index_to_group_rank.items()}
+            raise NeedsInputs(later, owners)
 
     def recv_meta(self, src_stage):
         if src_stage < self.stage_index:
-            return _StageForwardMeta(forward_metas=tuple(shape.at(rows) for shape in inputs))
+            return _StageForwardMeta(forward_metas=tuple(shape.at(rows) for shape in inputs[self.stage_index]))
         return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
 
     isend, irecv = (held(op) for op in (c10d.isend, c10d.irecv))

@@ -309,7 +309,7 @@ def _capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic
 
 def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
                 seq_dims: dict[int, tuple[int, ...]] | None = None, device_mesh=None,
-                stage_inputs: tuple | None = None) -> RawCapture:
+                stage_inputs: dict | None = None) -> RawCapture:
     """Capture one steady-state step at ``batch`` (the symbol's hint when ``symbolic``).
 
     ``seq_dims`` (``id(sample tensor) -> dims``, symbolic captures only) makes those dims the
