@@ -253,3 +253,15 @@ def test_several_stages_a_rank(mesh, rows, measured):
     receives the previous stage's output, found on the rank the schedule places it on
     (``stage_index_to_group_rank``).  ``measured``: real gloo jobs running the same function."""
     assert _per_rank(_report(functools.partial(_interleaved, rows=rows), mesh=mesh, batch=32)) == measured
+
+
+def test_a_deep_models_stages_are_cut_from_every_block():
+    """16 children repeating in pairs would be captured as a shallow copy of 5 pairs and extended
+    (``repeated_blocks``); a pipeline's function cuts its stages by the blocks' places, so every block
+    is captured, said so.  Measured on 2 gloo processes: 311,596 and 323,884 B."""
+    model, sample_fn, _ = sequential_mlp(64, 8)
+    rep = estimator.report(_InputOnly(model), sample_fn(16), batch=16, device="cpu",
+                           strategy=Strategy(mesh={"pp": 2}, parallelize=functools.partial(par.sequential_pipeline,
+                                                                                           microbatches=2)))
+    assert _per_rank(rep) == {0: 311_596, 1: 323_884}
+    assert any("every one of its 16 blocks was captured" in n and "pipeline schedule" in n for n in rep.notes)

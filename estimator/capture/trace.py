@@ -336,6 +336,9 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
         libraries.load_imported()  # FSDP2's ops, where the function imported it
         places = None
         if schedule is not None:  # the job's pipeline: its step runs the schedule (capture.pipelines)
+            if repeated_blocks.is_shallow(model):  # the job cuts its stages by the blocks' places and names
+                raise repeated_blocks.NotRepeating("your parallelize function returned a pipeline schedule, whose "
+                                                   "stages are cut from the blocks by their places")
             spec, places = _pipelined(spec, schedule, fmodel, device_mesh)
         roles = world.roles(fmodel, spec.strategy.mesh, spec.rank, places)
         offload = world.offload(fmodel, spec.target.is_cuda)

@@ -179,7 +179,8 @@ STRATEGY_OPTIONS = [
     click.option("--zero", type=click.Choice(("1", "2", "3")), help="ZeRO stage over the --dp devices "
                  "(1: ZeroRedundancyOptimizer, 2/3: FSDP2 fully_shard, reshard_after_forward False/True)."),
     click.option("--pipeline", type=click.IntRange(min=1), default=1, metavar="S",
-                 help="pipeline over S stages (with --dp N: N pipelines, each stage's replicas under DDP)."),
+                 help="pipeline over S stages (with --dp N: N pipelines, each stage's replicas under DDP; a pipeline "
+                      "of FSDP2 stages: --mesh pp=S,dp_shard=N with your --parallelize returning its schedule)."),
     click.option("--microbatches", type=click.IntRange(min=1), metavar="M", help="pipeline micro-batches (default S)."),
     click.option("--schedule", type=click.Choice(("1f1b", "gpipe"), case_sensitive=False), default="1f1b",
                  show_default=True,
@@ -191,8 +192,9 @@ STRATEGY_OPTIONS = [
                       "each rank's step as your parallelize function makes it (without it: a transformers "
                       "model's own tensor-parallel and FSDP plans)."),
     click.option("--parallelize", metavar="FILE.py:FUNC",
-                 help="your parallelize function, FUNC(model, mesh) (fully_shard, parallelize_module, ...), run on "
-                      "a fake process group of --mesh's size; also package.module:FUNC."),
+                 help="your parallelize function, FUNC(model, mesh) (fully_shard, parallelize_module, ...; cutting "
+                      "the model to the rank's pipeline stage and returning its schedule), run on a fake process group "
+                      "of --mesh's size; also package.module:FUNC."),
     click.option("--compile", "compile_mode", is_flag=False, flag_value="default", metavar="[MODE]",
                  type=click.Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
                  help="the model torch.compile'd (Inductor), optionally with a mode: the compiled program's "
