@@ -205,8 +205,8 @@ def pipeline(model: Transformer, mesh, splits: tuple[str, ...] = ("layers.2",), 
     (torchtitan/parallelisms/pipeline_llama.py ``pipeline_llama_manual_split``: this rank's stage
     keeps the layers from its split point to the next, the first stage the embeddings, the last
     the norm and the output; a ``PipelineStage`` without shapes, which infers them in its first
-    step), then ``parallelize_llama`` on the chunk (op-level SAC, FSDP2 over ``dp_shard`` without
-    reshard after forward), then ``build_pipeline_schedule`` (pipelining_utils.py: the default
+    step), then ``parallelize_llama`` on the chunk (with a ``"tp"`` dim ``apply_tp``; op-level SAC,
+    FSDP2 over ``dp_shard`` without reshard after forward), then ``build_pipeline_schedule`` (pipelining_utils.py: the default
     ``1F1B``, ``pipeline_parallel_microbatches`` or the pp degree, train.py's ``loss_fn``).  torchtitan
     cuts a deep copy of the whole model on the meta device; here the model itself is cut (one stage
     per rank, as the "loop" style gives with as many stages as pp ranks), and the schedule returned."""
@@ -229,9 +229,48 @@ def pipeline(model: Transformer, mesh, splits: tuple[str, ...] = ("layers.2",), 
         model.norm = None
         model.output = None
     pipeline_stage = PipelineStage(model, stage, stages, torch.device("cpu"), group=pp.get_group())
+    if "tp" in mesh.mesh_dim_names:
+        apply_tp(model, mesh["tp"])
     apply_ac(model)
     apply_fsdp(model, mesh["dp_shard"], pp_enabled=True)
     return Schedule1F1B(pipeline_stage, n_microbatches=microbatches or stages, loss_fn=loss_fn)
+
+
+def apply_tp(model: Transformer, tp_mesh) -> None:
+    """parallelize_llama.py ``apply_tp`` without float8 or async TP, and without loss parallelism
+    (``--training.disable_loss_parallel``: the loss on replicated logits, so that the pipeline's
+    built-in step needs no ``loss_parallel()`` context): the embedding row-wise, its output and the
+    residual stream sharded along the sequence, the norms sequence-parallel, q/k/v and w1/w3
+    column-wise, wo and w2 row-wise; a pipeline stage's chunk has the modules of its own stage only
+    (``parallelize_module`` skips the others)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
 
 
 def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
