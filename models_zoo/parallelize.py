@@ -1,7 +1,8 @@
 """Parallelize functions as jobs write them, for ``Strategy(mesh=..., parallelize=fn)``.
 
 Each is ``fn(model, mesh)``: it changes the model in place for the ``DeviceMesh`` it is handed,
-the way torchtitan's ``parallelize_llama`` does, and runs unchanged in a real job (the
+the way torchtitan's ``parallelize_llama`` does (a pipeline's, ``sequential_pipeline``, cuts it to the
+rank's stage and returns the stage's schedule), and runs unchanged in a real job (the
 distributed validator runs the same functions on gloo: ``validators/distributed.py``,
 strategy ``"mesh"``) and in fxmem's capture of each rank (on a fake process group).  Options are
 keywords: bind them with ``functools.partial`` (which keeps the function picklable for the

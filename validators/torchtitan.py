@@ -206,8 +206,9 @@ def pipeline(model: Transformer, mesh, splits: tuple[str, ...] = ("layers.2",), 
     keeps the layers from its split point to the next, the first stage the embeddings, the last
     the norm and the output; a ``PipelineStage`` without shapes, which infers them in its first
     step), then ``parallelize_llama`` on the chunk (with a ``"tp"`` dim ``apply_tp``; op-level SAC,
-    FSDP2 over ``dp_shard`` without reshard after forward), then ``build_pipeline_schedule`` (pipelining_utils.py: the default
-    ``1F1B``, ``pipeline_parallel_microbatches`` or the pp degree, train.py's ``loss_fn``).  torchtitan
+    FSDP2 over ``dp_shard`` without reshard after forward), then ``build_pipeline_schedule``
+    (pipelining_utils.py: the default ``1F1B``, ``pipeline_parallel_microbatches`` or the pp degree,
+    train.py's ``loss_fn``).  torchtitan
     cuts a deep copy of the whole model on the meta device; here the model itself is cut (one stage
     per rank, as the "loop" style gives with as many stages as pp ranks), and the schedule returned."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B

@@ -321,8 +321,9 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
     step splits it into ``k`` views of ``m`` rows), and the bytes are mapped to ``b`` by
     ``m = b / k``: exact integer polynomials in ``b`` when ``k`` divides each coefficient
     (rounded up otherwise: ``RawCapture.rounded``); the range of ``b`` is ``k`` times that of
-    ``m``.  (A pipeline's micro-batches are not captured here: ``estimate`` maps the plain
-    step's formulas to ``b / m``.)
+    ``m``.  A job's own pipeline schedule (``capture.pipelines``) splits the batch the same way,
+    ``k`` its ``n_microbatches``.  (The micro-batches of fxmem's pipeline model are not captured
+    here: ``estimate`` maps the plain step's formulas to ``b / m``.)
     """
     shape_env = ShapeEnv() if symbolic else None
     mode = FakeTensorMode(shape_env=shape_env, static_shapes=not symbolic)
@@ -344,10 +345,9 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
         offload = world.offload(fmodel, spec.target.is_cuda)
     # a job's pipeline splits the batch into its micro-batches as accumulation does
     k = spec.strategy.accumulate if schedule is None else schedule._n_microbatches
-    what = f"accumulate={k}" if schedule is None else f"your pipeline schedule's {k} micro-batches"
     if not symbolic and batch % k:
-        raise (CaptureError if schedule is None else InputError)(
-            f"{what}: the batch must be a multiple of {k}, got {batch}")
+        what = f"accumulate={k}" if schedule is None else f"the pipeline schedule's {k} micro-batches"
+        raise CaptureError(f"{what}: the concrete capture at b={batch} needs a multiple of {k}")
     micro = max(batch // k, 2) if symbolic else batch // k
     if symbolic and k > 1 and seq_dims:  # equal hints would make m and s one symbol (duck sizing)
         sizes = {t.shape[d] for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)
