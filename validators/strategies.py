@@ -408,8 +408,8 @@ Notes:
 
 - *jobs*: gloo's worker threads sometimes release a collective's buffer (FSDP2's all-gather and
   reduce-scatter buffers) after the next collective started; that run's peak is then up to one
-  such buffer higher (3-13 % on these small MLPs), on a random rank. A job whose ranks miss by
-  more than 1 % runs again (up to 3 jobs) and each rank's lowest peak is shown: the prediction
+  such buffer higher (up to 13 % on these small models), on a random rank. A job whose ranks miss by
+  more than 0.1 % runs again (up to 3 jobs) and each rank's lowest peak is shown: the prediction
   follows the program order, which most runs show.
 - bf16 `mm`/`addmm` on CPU run oneDNN, whose scratchpad comes from the CPU allocator during the
   call (a step function of the shapes, the ISA and the thread count): measured on the host by

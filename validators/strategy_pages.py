@@ -144,7 +144,10 @@ def pages() -> list[Page]:
             "backward). Default cut: balanced by memory; `split_points` names the blocks where stages 2.. "
             "start. With `data_parallel=D`, `D` pipelines (`S * D` ranks, rank `k * D + d` running stage `k` "
             "of pipeline `d`), each stage's replicas under DDP: a stage adds the buckets of its own "
-            "parameters' gradients (every forward runs under `no_sync()`, so no buffer broadcast).",
+            "parameters' gradients (every forward runs under `no_sync()`, so no buffer broadcast). FSDP2 of "
+            "the stages (torchtitan's PP x FSDP, and with TP its 3-D job) runs as the job writes it: a "
+            "parallelize function that cuts the model to the rank's stage and returns its schedule, on a "
+            "device mesh (the `mesh:` rows below; the mesh page).",
             "```python\nestimator.report(model, sample, batch=32,\n"
             "                 strategy=estimator.Strategy(pipeline=4, microbatches=8, schedule=\"1f1b\"))\n```\n"
             "`fxmem report gpt --batch 32 --pipeline 4 --microbatches 8`",
@@ -171,8 +174,11 @@ def pages() -> list[Page]:
             "(transformers' all-to-all dispatch, `functools.partial(estimator.own_plans, ep=2)`) runs as written: "
             "each rank's routing is its routers' on the sample (the probe's real forward, so real weights), and "
             "what an all-to-all of the token counts brings from the other ranks is taken as every rank routing "
-            "alike (noted; ranks that receive different tokens are captured one by one). Example functions: "
-            "`models_zoo/parallelize.py`.",
+            "alike (noted; ranks that receive different tokens are captured one by one). A pipeline runs too: "
+            "the function cuts the model in place to the rank's stage, wraps it and returns its "
+            "`torch.distributed.pipelining` schedule, whose forwards, backwards, sends and receives run as "
+            "written (`estimator/capture/pipelines.py`; the stages' shapes given or inferred, torchtitan's "
+            "PP x FSDP2 and PP x FSDP2 x TP jobs). Example functions: `models_zoo/parallelize.py`.",
             "```python\nfrom models_zoo import parallelize\n"
             "estimator.report(model, sample, strategy=estimator.Strategy(mesh={\"dp_shard\": 8},\n"
             "                                                            parallelize=parallelize.fsdp))\n```\n"
