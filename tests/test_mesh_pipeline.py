@@ -157,6 +157,16 @@ def test_what_a_pipeline_cannot_be_is_named():
         report(_pipeline(rows=2), mode="inference")
     with pytest.raises(InputError, match="amp with a pipeline schedule"):
         report(_pipeline(rows=2), amp="bf16")
+    with pytest.raises(InputError, match="along another dim than 0"):
+        report(_chunked_along_features)
+
+
+def _chunked_along_features(model, mesh):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    stage = PipelineStage(model.seq, mesh["pp"].get_local_rank(), 2, torch.device("cpu"))
+    return ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.functional.mse_loss, args_chunk_spec=(TensorChunkSpec(1),))
 
 
 def test_a_sample_is_input_and_target():

@@ -106,13 +106,20 @@ class Pipelined:
 
 def check(schedule, model: nn.Module, train: bool) -> None:
     """The schedule runs the model the capture estimates: each stage's module is the model or one of
-    its modules, and every parameter of the model is in a stage (the others' were deleted)."""
+    its modules, every parameter of the model is in a stage (the others' were deleted), and the
+    batch is chunked along dim 0."""
     if not train:
         raise InputError("Strategy(parallelize=) returned a pipeline schedule: fxmem runs it for mode='train' "
                          "(schedule.step with its loss_fn); inference through a pipeline is not supported")
     if getattr(schedule, "_loss_fn", None) is None:
         raise InputError("Strategy(parallelize=) returned a pipeline schedule without loss_fn: a training step's "
                          "last stage computes the loss (ScheduleGPipe(stage, n_microbatches, loss_fn=...))")
+    specs = [*tree_flatten(getattr(schedule, "_args_chunk_spec", None))[0],
+             *tree_flatten(getattr(schedule, "_kwargs_chunk_spec", None))[0]]
+    if any(getattr(spec, "split_dim", 0) != 0 for spec in specs):
+        raise InputError("your pipeline schedule splits its inputs into micro-batches along another dim than 0 "
+                         "(args_chunk_spec / kwargs_chunk_spec): fxmem sizes the stages' micro-batches along dim 0, "
+                         "the schedule's default")
     modules = {id(m) for m in model.modules()}
     own = stages(schedule)
     if any(id(s.submod) not in modules for s in own):
