@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import estimator
+import models_zoo
 from estimator import Strategy
 from estimator.vocab.categories import Category
 from estimator.vocab.errors import InputError
@@ -169,6 +170,38 @@ def test_checkpointing_combines_with_a_user_step():
                                         and "addmm" in op.op])
 
 
+def _grad_step(model, sample, optimizer):
+    """The gradients by ``torch.autograd.grad``, then set on the parameters (a step that clips or
+    inspects them before they land in ``.grad``)."""
+    loss = model(**sample).float().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p, g in zip(params, torch.autograd.grad(loss, params)):
+        p.grad = g
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _backward_step(model, sample, optimizer):
+    model(**sample).float().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_torch_autograd_grad_recomputes_with_the_targets_kernels():
+    """``torch.autograd.grad`` runs the engine inside the CUDA target's substitutions as ``backward()``
+    does (``corrections/mode.py``): a checkpointed block's recomputation takes the same attention
+    kernel as its forward (it took the CPU's, and torch.utils.checkpoint raised "a different number
+    of tensors was saved"), and the step costs what the same step with ``backward()`` costs."""
+    from models_zoo.gpt import Block
+
+    model, sample_fn, _ = models_zoo.get("gpt", "debug")
+    by_grad, by_backward = (estimator.report(model, sample_fn(4), batch=4, step=step, optimizer="adamw",
+                                             strategy=Strategy(checkpoint=Block), gpu="H100")
+                            for step in (_grad_step, _backward_step))
+    assert by_grad.peak_bytes == by_backward.peak_bytes
+    assert by_grad.cuda.allocated == by_backward.cuda.allocated
+
+
 def test_inference_step_has_no_training_state():
     rep = estimator.report(net(), data(4), step=tta, optimizer=None, mode="inference", device="cpu")
     assert rep.breakdown[Category.GRADIENT] == rep.breakdown[Category.OPTIMIZER_STATE] == 0
@@ -270,8 +303,6 @@ def test_a_failing_state_factory_is_named():
 # -- zoo models: the output dropped, and a real loop's step --------------------------------------
 @pytest.mark.parametrize("name", ["gpt", "bert", "lstm_lm"])
 def test_zoo_keep_output_false_matches_cpu(name):
-    import models_zoo
-
     def make():
         return models_zoo.get(name, "debug")
 

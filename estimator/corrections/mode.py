@@ -13,7 +13,9 @@ so ``loss.backward()`` passed through as it is would run the whole backward with
 the recomputation of checkpointed modules (their forward, re-run from backward) would then
 take the CPU's ops instead of the target's, saving other tensors than the forward did
 (``torch.utils.checkpoint`` raises).  The handler runs the autograd engine itself with the
-mode pushed again (``torch.autograd.backward``'s own steps, after its torch-function check).
+mode pushed again (``torch.autograd.backward``'s and ``torch.autograd.grad``'s own steps, after
+their torch-function check: a step computing its gradients with ``grad``, and a pipeline stage's
+input gradients, ``torch.distributed.pipelining``'s ``stage_backward_input``, recompute too).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-from torch.autograd.graph import _engine_run_backward
-from torch.overrides import TorchFunctionMode
+from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.overrides import TorchFunctionMode, is_tensor_like
 
 from estimator.corrections.patches import patched_all
 from estimator.corrections.registry import fast_path_checks_enter, fast_path_checks_exit, substitution
 
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+_GRAD = torch.autograd.grad  # (a user step's phases replace the module's name with a wrapper)
 
 
 class Substitutions(TorchFunctionMode):
@@ -57,6 +60,8 @@ class Substitutions(TorchFunctionMode):
         base = getattr(func, "__wrapped__", func)  # (a user step's phases wrap backward())
         if base in _BACKWARD:
             return self._backward(base, args, kwargs)
+        if base is _GRAD:
+            return self._grad(base, args, kwargs)
         sub = substitution(self.spec.device, func)
         if sub is not None:
             result = sub(self.spec, func, args, kwargs)
@@ -78,6 +83,34 @@ class Substitutions(TorchFunctionMode):
         with self:
             grads_ = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False)
             _engine_run_backward(tensors, grads_, retain, create, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+    def _grad(self, func, args, kwargs):
+        """``torch.autograd.grad`` with this mode active (its steps after the torch-function check;
+        a batched one, ``is_grads_batched``, runs as it is)."""
+        a = inspect.signature(func).bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        if a["is_grads_batched"]:
+            return func(*args, **kwargs)
+
+        def one_or_many(x) -> tuple:
+            return (x,) if is_tensor_like(x) or isinstance(x, GradientEdge) else tuple(x)
+
+        outputs, inputs = one_or_many(a["outputs"]), a["inputs"]
+        keys = list(inputs) if type(inputs) is dict else None
+        inputs = tuple(inputs.values()) if keys is not None else one_or_many(inputs)
+        allow_unused = a["materialize_grads"] if a["allow_unused"] is None else a["allow_unused"]
+        create = a["create_graph"]
+        retain = create if a["retain_graph"] is None else a["retain_graph"]
+        with self:
+            grads = _make_grads(outputs, _tensor_or_tensors_to_tuple(a["grad_outputs"], len(outputs)),
+                                is_grads_batched=False)
+            result = _engine_run_backward(outputs, grads, retain, create, inputs, allow_unused, accumulate_grad=False)
+            if a["materialize_grads"]:
+                result = tuple(torch.zeros_like(i, requires_grad=create) if r is None else r
+                               for r, i in zip(result, inputs))
+        return result if keys is None else dict(zip(keys, result))
 
 
 def _no_torch_function(*_args) -> bool:
