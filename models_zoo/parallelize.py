@@ -163,8 +163,7 @@ def loss_parallel_step(model: nn.Module, sample: dict, optimizer) -> None:
 
 
 def sequential_pipeline(model: nn.Module, mesh, *, rows: int | None = None, microbatches: int = 2,
-                        schedule: str = "1f1b",
-                        split_points: tuple[int, ...] | None = None, loss: str = "mse",
+                        schedule: str = "1f1b", split_points: tuple[int, ...] | None = None, loss: str = "mse",
                         reshard_after_forward: bool = False):
     """Pipeline parallelism for a model that runs one ``nn.Sequential`` (the model, or its first one),
     as torchtitan's ``pipeline_llama`` builds it, over the mesh's ``"pp"`` dim: this rank keeps its

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import weakref
 
 import pytest
@@ -48,11 +49,8 @@ def _per_rank(rep) -> dict[int, int]:
 def _measured(fn, mesh: dict, batch: int, model: str = "mlp") -> dict[int, int]:
     from validators.strategies import MODELS
 
-    world = 1
-    for size in mesh.values():
-        world *= size
-    return {m.rank: m.peak_bytes for m in measure_ranks("mesh", world, MODELS[model], batch, threads=1, mesh=mesh,
-                                                        parallelize=fn)}
+    return {m.rank: m.peak_bytes for m in measure_ranks("mesh", math.prod(mesh.values()), MODELS[model], batch,
+                                                        threads=1, mesh=mesh, parallelize=fn)}
 
 
 @pytest.mark.parametrize("rows", [16, None], ids=["static", "dynamic"])
