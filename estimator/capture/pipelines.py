@@ -139,18 +139,15 @@ def positions(schedule, device_mesh, world: int) -> list[int]:
     the stages' (``PipelineStage(group=)``; the default group: the rank itself)."""
     import torch.distributed as dist
 
+    from estimator.capture.world import _mesh_coordinates
+
     group = stages(schedule)[0].group
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
     if len(ranks) == world:
         return list(range(world))
     for d in range(device_mesh.ndim):
-        along = device_mesh.mesh.movedim(d, -1).reshape(-1, device_mesh.mesh.shape[d])
-        if any(tuple(row.tolist()) == ranks for row in along):
-            place = [0] * world
-            for row in along.tolist():
-                for i, rank in enumerate(row):
-                    place[rank] = i
-            return place
+        if tuple(dist.get_process_group_ranks(device_mesh.get_group(d))) == ranks:
+            return [coordinate[d] for coordinate in _mesh_coordinates(device_mesh, world)]
     raise InputError(f"the pipeline stages' process group (ranks {list(ranks)}) is no dim of the device mesh: build "
                      "the stages with group=mesh['pp'].get_group() (a dim of the mesh fxmem hands your function)")
 
