@@ -255,3 +255,25 @@ def test_cuda_target_recomputes_with_the_cuda_kernels(reentrant):
     assert ops.count(("backward", "aten._scaled_dot_product_efficient_attention_backward.default")) == 2
     plain = estimator.report(model, make_sample(8), batch=8, loss_fn=loss_fn, device="cuda", gpu="H100")
     assert rep.breakdown[Category.ACTIVATION] < plain.breakdown[Category.ACTIVATION]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_cuda_target_recomputes_under_autocast(reentrant):
+    # Under amp on the CUDA target the substitutes see their arguments cast by CUDA's autocast
+    # policy (corrections/cuda/autocast.py, a torch-function mode of its own): the recomputation
+    # in backward must run inside that mode too.  It did not: transformers' Llama's bias-free
+    # linear and attention then saw fp32 arguments in the recomputation, saved 38 tensors
+    # against the forward's 40, and checkpoint raised.  Now each block's linears and attention
+    # run the same substitutes in the forward and in the recomputation, on bf16 arguments.
+    pytest.importorskip("transformers")
+    from validators import generate
+
+    model = generate.make_model("llama")
+    sample = generate.make_sample(2, 16)
+    sample = {**sample, "labels": sample["input_ids"]}
+    strategy = Strategy(checkpoint=type(model.model.layers[0]), checkpoint_reentrant=reentrant)
+    rep = estimator.report(model, sample, batch=2, loss_fn=lambda out, s: out.loss, device="cuda", gpu="H100",
+                           amp="bf16", strategy=strategy)
+    # cuDNN's attention on an H100 for bf16 (as sdp_utils picks it): 2 blocks, each forward, then recomputed
+    runs = [op.phase.value for op in rep.timeline.ops if op.op == "aten._scaled_dot_product_cudnn_attention.default"]
+    assert runs == ["forward"] * 2 + ["backward"] * 2

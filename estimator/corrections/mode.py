@@ -16,6 +16,8 @@ take the CPU's ops instead of the target's, saving other tensors than the forwar
 mode pushed again (``torch.autograd.backward``'s and ``torch.autograd.grad``'s own steps, after
 their torch-function check: a step computing its gradients with ``grad``, and a pipeline stage's
 input gradients, ``torch.distributed.pipelining``'s ``stage_backward_input``, recompute too).
+``BackwardInside`` is that behaviour; the CUDA autocast emulation's mode (``cuda/autocast.py``)
+shares it, for the same recomputation.
 """
 
 from __future__ import annotations
@@ -35,25 +37,9 @@ _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
 _GRAD = torch.autograd.grad  # (a user step's phases replace the module's name with a wrapper)
 
 
-class Substitutions(TorchFunctionMode):
-    def __init__(self, spec) -> None:
-        super().__init__()
-        self.spec = spec
-
-    def __enter__(self):
-        # The native fast-path checks see the fake tensors as the real ones (registry.fast_path).
-        fast_path_checks_enter(self.spec.device)
-        try:
-            return super().__enter__()
-        except BaseException:
-            fast_path_checks_exit()
-            raise
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            fast_path_checks_exit()
+class BackwardInside(TorchFunctionMode):
+    """A torch-function mode that stays active through ``backward()`` and ``torch.autograd.grad``
+    (the module docstring); ``handle`` answers every other torch function."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,11 +48,9 @@ class Substitutions(TorchFunctionMode):
             return self._backward(base, args, kwargs)
         if base is _GRAD:
             return self._grad(base, args, kwargs)
-        sub = substitution(self.spec.device, func)
-        if sub is not None:
-            result = sub(self.spec, func, args, kwargs)
-            if result is not NotImplemented:
-                return result
+        return self.handle(func, args, kwargs)
+
+    def handle(self, func, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
 
     def _backward(self, func, args, kwargs) -> None:
@@ -111,6 +95,35 @@ class Substitutions(TorchFunctionMode):
                 result = tuple(torch.zeros_like(i, requires_grad=create) if r is None else r
                                for r, i in zip(result, inputs))
         return result if keys is None else dict(zip(keys, result))
+
+
+class Substitutions(BackwardInside):
+    def __init__(self, spec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def __enter__(self):
+        # The native fast-path checks see the fake tensors as the real ones (registry.fast_path).
+        fast_path_checks_enter(self.spec.device)
+        try:
+            return super().__enter__()
+        except BaseException:
+            fast_path_checks_exit()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            fast_path_checks_exit()
+
+    def handle(self, func, args: tuple, kwargs: dict):
+        sub = substitution(self.spec.device, func)
+        if sub is not None:
+            result = sub(self.spec, func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
 
 
 def _no_torch_function(*_args) -> bool:

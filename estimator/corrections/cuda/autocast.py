@@ -52,9 +52,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-
 from estimator.corrections.cuda import Gap
+from estimator.corrections.mode import BackwardInside
 from estimator.corrections.patches import patched
 from estimator.vocab.categories import Target
 
@@ -328,17 +327,17 @@ def _kernel(name: str, policy: str, op, cache: _Cache):
     return kernel
 
 
-class _CastBeforeSubstitutes(TorchFunctionMode):
+class _CastBeforeSubstitutes(BackwardInside):
     """Apply CUDA's autocast policy to a substituted torch function's arguments before the
     substitute sees them, then run it (the substitute, or the op) with AutocastCPU excluded, as
-    the C++ wrapper runs the op."""
+    the C++ wrapper runs the op.  Active through ``backward()`` too (``BackwardInside``): a
+    checkpointed block's recomputation must cast as its forward did."""
 
     def __init__(self, functions: dict[Any, tuple[str, str, Any]], cache: _Cache) -> None:
         super().__init__()
         self.functions, self.cache = functions, cache
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def handle(self, func, args: tuple, kwargs: dict):
         entry = self.functions.get(func)
         if entry is None or not torch.is_autocast_enabled("cpu"):
             return func(*args, **kwargs)
