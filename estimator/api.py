@@ -43,6 +43,7 @@ def report(
     cache_implementation: str | None = None,
     dtype_symbols: bool = False,
     compile: Any = None,
+    depth_symbols: bool = False,
 ) -> Report:
     """Predict the peak memory of one training step (or inference) of ``model`` on ``sample``.
 
@@ -158,6 +159,12 @@ def report(
             two widths, exact at all three (fp16 gets a line of its own where its step holds other
             bytes than bf16's).  Not with ``amp`` (autocast has no second width) nor with strategies
             over several devices.
+        depth_symbols: also write the peak in terms of the number of blocks ``L`` of the model's
+            repeated blocks (``Report.depth_formula``, in ``b`` and ``L``): the capture of a few
+            blocks that builds the model's depth builds the step one unit deeper too, and each
+            candidate peak is the line through the two, exact from six units of blocks on.  Only
+            where the blocks were built from a few (``report.notes`` say so), not with
+            ``mode="generate"`` nor with strategies over several devices.
         compile: the step of the model ``torch.compile``d, estimated as the compiled program:
             ``True`` (``torch.compile``'s defaults), a mode (``"max-autotune"``, ...), or a dict of
             ``torch.compile``'s ``backend``, ``mode``, ``options``, ``dynamic``, ``fullgraph``.
@@ -198,5 +205,5 @@ def report(
         alloc_conf=alloc_conf, amp=amp, grad_scaler=grad_scaler, dynamic=dynamic, strategy=strategy,
         data_dependent=data_dependent, batch_dims=batch_dims, step=step, keep_output=keep_output,
         new_tokens=new_tokens, cache_implementation=cache_implementation, dtype_symbols=dtype_symbols,
-        compile=compile))
+        compile=compile, depth_symbols=depth_symbols))
 

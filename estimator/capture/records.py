@@ -111,6 +111,9 @@ class RawCapture:
     roles: tuple[tuple[int, ...], ...] = ()
     # what b must be a multiple of: a job's pipeline schedule's micro-batches (``trace._pipelined``)
     multiple: int = 1
+    # a model's repeated blocks built from a capture of a few (``repeated_blocks.extend``): its plan and that
+    # capture, from which ``report(depth_symbols=True)`` builds the step at other depths
+    shallow: tuple[Any, RawCapture] | None = None
     # an eager step's own torch.compile'd regions (a parallelize function's per-block compile) took the capture's
     # symbols: their programs are the compiler's for every size, where a real run compiles for its own
     symbolic_regions: bool = False

@@ -202,10 +202,13 @@ def _signature(block: nn.Module) -> tuple:
 _TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shallow(model: nn.Module, plan_: Plan) -> nn.Module:
+def shallow(model: nn.Module, plan_: Plan, source: Plan | None = None) -> nn.Module:
     """A copy of ``model`` whose block list keeps ``plan_.kept`` under their real keys; every
-    other module, parameter and setting shared with ``model`` (nothing of it is changed)."""
+    other module, parameter and setting shared with ``model`` (nothing of it is changed).
+    ``source``: the model's own plan where ``plan_`` is another depth (``depth.deepen``): its kept
+    blocks then stand under ``plan_``'s keys."""
     twins = []
+    blocks = dict(zip(plan_.kept, (source or plan_).kept))
 
     def cut(module: nn.Module, parts: list[str]) -> nn.Module:
         twin = copy.copy(module)
@@ -214,12 +217,17 @@ def shallow(model: nn.Module, plan_: Plan) -> nn.Module:
             twin._modules = dict(module._modules)
             twin._modules[parts[0]] = cut(module._modules[parts[0]], parts[1:])
         else:
-            twin._modules = {str(i): module._modules[str(i)] for i in plan_.kept}
+            twin._modules = {str(i): module._modules[str(blocks[i])] for i in plan_.kept}
         return twin
 
     root = cut(model, plan_.path.split(".") if plan_.path else [])
     _TWINS[root] = twins
     return root
+
+
+def twins(copy_: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """The modules ``shallow`` copied on the path to the blocks of ``copy_``, each with its original."""
+    return list(_TWINS.get(copy_, ()))
 
 
 def is_shallow(model: nn.Module) -> bool:
@@ -246,11 +254,18 @@ def _copied(item: OpEvent | Storage, **changes) -> OpEvent | Storage:
     return new
 
 
-def extend(raw: RawCapture, plan_: Plan) -> RawCapture:
-    """The capture of the real model from ``raw``, the shallow one's (see the module);
-    ``NotRepeating`` where the proof fails."""
+def extend(raw: RawCapture, plan_: Plan, origins: list | None = None, captured: Plan | None = None) -> RawCapture:
+    """The capture of the real model from ``raw``, the shallow one's (see the module), which it
+    keeps (``RawCapture.shallow``); ``NotRepeating`` where the proof fails.  ``captured``: the plan
+    ``raw`` was captured with, where ``plan_`` builds another depth from it (``plan_.units``);
+    ``origins``, where given, gets each built op's origin: (its op in ``raw``, a copy's real unit or None)."""
+    captured = captured or plan_
     with collector_paused():
-        return _Extension(raw, plan_).run()
+        extension = _Extension(raw, plan_, captured)
+        built = extension.run()
+    if origins is not None:
+        origins[:] = extension.origins
+    return dataclasses.replace(built, shallow=(captured, raw))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,8 +290,11 @@ class _Run(NamedTuple):
 
 
 class _Extension:
-    def __init__(self, raw: RawCapture, plan_: Plan):
+    def __init__(self, raw: RawCapture, plan_: Plan, captured: Plan):
         self.raw, self.plan = raw, plan_
+        self.read_pos = {captured.real_unit(pos): pos for pos in range(UNITS)}  # a unit named in raw -> its position
+        self.moved = captured.units != plan_.units  # the last kept units are renamed (another depth)
+        self.origins: list[tuple[int, int | None]] = []  # each built op's: (its op in raw, a copy's real unit)
         self.prefix = f"{plan_.path}." if plan_.path else ""
         self.pattern = re.compile(rf"(?:^|(?<=\.)){re.escape(self.prefix)}(\d+)(?=\.|$)")
         self.pos_of_unit = {plan_.real_unit(pos): pos for pos in range(UNITS)}
@@ -334,7 +352,7 @@ class _Extension:
 
     def _pos(self, name: str | None, anywhere: bool = False) -> int | None:
         found = self._find(name, anywhere)
-        return None if found is None else self.pos_of_unit[found[1]]
+        return None if found is None else self.read_pos[found[1]]
 
     def _op_positions(self, named: dict[int, int | None]) -> list[int | None]:
         """Each op's position: its module's or (optimizer) its parameter's unit; an op between two
@@ -371,7 +389,7 @@ class _Extension:
         if found is None:
             return name
         match, unit, offset = found
-        return name[:match.start(1)], self.pos_of_unit[unit] - pos, offset, name[match.end():]
+        return name[:match.start(1)], self.read_pos[unit] - pos, offset, name[match.end():]
 
     def _renamed(self, name: str | None, pos: int, real: int, anywhere: bool = False) -> str | None:
         """``name`` of position ``pos`` as the real unit ``real`` names it (a neighbour's follows)."""
@@ -383,7 +401,7 @@ class _Extension:
             renamed = name
         else:
             match, unit, offset = found
-            target = real + self.pos_of_unit[unit] - pos
+            target = real + self.read_pos[unit] - pos
             renamed = f"{name[:match.start(1)]}{self.plan.block(target, offset)}{name[match.end():]}"
         self._names[key] = renamed
         return renamed
@@ -564,12 +582,19 @@ class _Extension:
                 last = t.at
             return out + items[last:]
 
+        def kept(sid: int, **changes) -> Storage:
+            """A captured storage in the built step (its owner's unit renamed at another depth)."""
+            s, pos = storages[sid], self.store_pos.get(sid)
+            if self.moved and pos is not None and s.owner:
+                changes["owner"] = self._renamed(s.owner, pos, plan_.real_unit(pos))
+            return _copied(s, **changes) if changes else s
+
         label_sid = self.store_pos.get
         # the state before the step: parameters, buffers, optimizer state
         state = [sid for sid, s in storages.items() if s.op < 0]
         new_storages = {}
         for sid in listed(state, label_sid, lambda sid, real: storage_copy(sid, real, -1), "the state before the step"):
-            new_storages[sid] = made.get(sid, storages.get(sid))
+            new_storages[sid] = made[sid] if sid in made else kept(sid)
 
         self._load_order(new_storages, listed, resolve)
 
@@ -604,12 +629,12 @@ class _Extension:
                     new_storages[new] = made[new]
                 else:
                     new = sid
-                    new_storages[sid] = _copied(storages[sid], op=at)
+                    new_storages[sid] = kept(sid, op=at)
                 allocs.append(new)
             frees = freed_list(op) if wide else [resolve(self._ref(s, pos), real) for s in op.frees]
             module, owner = op.module, op.owner
-            if copy_:
-                module, owner = self._renamed(module, TEMPLATE, real), self._renamed(owner, TEMPLATE, real)
+            if copy_ or (self.moved and pos is not None):
+                module, owner = self._renamed(module, pos, real), self._renamed(owner, pos, real)
             out_ops.append(_copied(op, allocs=allocs, frees=frees, module=module, owner=owner))
 
         for i, op in enumerate(ops):
@@ -617,6 +642,7 @@ class _Extension:
                 self._emit_copies(ops, starts[i], emit)
             pos = self.op_pos[i]
             index[i] = len(out_ops)
+            self.origins.append((i, None))
             emit(op, pos, None if pos is None else plan_.real_unit(pos), False, i in self.wide)
         if len(ops) in starts:
             self._emit_copies(ops, starts[len(ops)], emit)
@@ -701,8 +727,9 @@ class _Extension:
 
     def _emit_copies(self, ops, run: _Run, emit) -> None:
         for real in self.plan.copies if run.ascending else reversed(self.plan.copies):
-            for op in ops[run.start:run.end]:
-                emit(op, TEMPLATE, real, True)
+            for i in range(run.start, run.end):
+                self.origins.append((i, real))
+                emit(ops[i], TEMPLATE, real, True)
 
     def _item_sig(self, item, pos: int) -> Any:
         if isinstance(item, int):

@@ -35,6 +35,7 @@ from estimator.capture import (
     compiled,
     datadep,
     decode_steps,
+    depth,
     generation,
     isolation,
     phases,
@@ -74,15 +75,17 @@ from estimator.vocab.symbolic import B, Poly
 
 
 def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
-            seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+            seq_dims: dict[int, tuple[int, ...]] | None = None, deeper: bool = False) -> RawCapture:
     """Capture one steady-state step (``_capture``); with ``data_dependent='sample'``, or where
     the step needs a data-dependent value (``.item()``), the sizes and values observed on the
     real sample first (``datadep.probe``).  Torch's log records and warnings are kept from the
-    user (``isolation.quiet``)."""
+    user (``isolation.quiet``).  ``deeper``: the step of the model one unit of its repeated blocks
+    deeper (``depth.deepen``: its config says so), what ``report(depth_symbols=True)``
+    checks its formula against."""
     libraries.load_imported()  # the entries of the libraries the model or its optimizer imported
     with isolation.quiet(), isolation.conversions_as_for_real(), tracing.as_for_real(), \
             isolation.optimizer_overrides_kept(), isolation.global_hooks_suspended() as suspended:
-        raw = _capture_steps(model, sample, spec, batch, symbolic, seq_dims)
+        raw = _capture_steps(model, sample, spec, batch, symbolic, seq_dims, deeper)
     if suspended:
         raw.notes += (f"{suspended} global module hook(s) (torch.nn.modules.module.register_module_forward_hook and "
                       "the like) were not run by the capture (they would have been handed fake tensors): memory "
@@ -91,10 +94,21 @@ def capture(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic:
 
 
 def _capture_steps(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
-                   seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
+                   seq_dims: dict[int, tuple[int, ...]] | None = None, deeper: bool = False) -> RawCapture:
     """``_capture_generated``; a model whose blocks repeat from a capture of a few of them
     extended to all (``repeated_blocks``), or every block where the capture does not prove they repeat."""
     blocks = repeated_blocks.plan(model, spec)
+    if deeper:
+        if blocks is None:
+            raise CaptureError("its blocks do not repeat")
+        more = dataclasses.replace(blocks, units=blocks.units + 1)
+        copy_ = repeated_blocks.shallow(model, more, blocks)
+        if not depth.deepen(copy_, blocks):
+            raise CaptureError(f"no config of the model names its number of blocks ({', '.join(depth.NAMES)})")
+        try:
+            return _capture_generated(copy_, sample, spec, batch, symbolic, seq_dims, more)
+        except repeated_blocks.NotRepeating as exc:
+            raise CaptureError(f"the model one unit deeper: {exc}") from None
     if blocks is None:
         return _capture_generated(model, sample, spec, batch, symbolic, seq_dims)
     try:

@@ -20,6 +20,7 @@ import time
 import click
 
 from estimator.cli.options import (
+    DEPTH_SYMBOLS_HELP,
     DTYPE_SYMBOLS_HELP,
     MODEL_HELP,
     STEP_HELP,
@@ -198,13 +199,14 @@ def cli():
 @click.option("--budget", metavar="BYTES", help="also print the largest batch that fits, e.g. 80GiB, 40GB.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (to_json: exact integer coefficients).")
 @click.option("--dtype-symbols", is_flag=True, help=DTYPE_SYMBOLS_HELP)
+@click.option("--depth-symbols", is_flag=True, help=DEPTH_SYMBOLS_HELP)
 @click.option("--training-args", "training_args", metavar="FILE.json",
               help="estimate the optimizer step of transformers.Trainer with these TrainingArguments (a JSON object "
                    "of its fields): b is per_device_train_batch_size x gradient_accumulation_steps; its precision, "
                    "checkpointing, optimizer and accumulation replace --amp, --checkpoint, --optimizer, --accumulate "
                    "(--dp N: the run's world size).")
 @handle_errors
-def report(budget, as_json, dtype_symbols, training_args, **kwargs):
+def report(budget, as_json, dtype_symbols, depth_symbols, training_args, **kwargs):
     """Peak memory of one step of MODEL: the table, by category and by module.
 
     \b
@@ -224,7 +226,7 @@ def report(budget, as_json, dtype_symbols, training_args, **kwargs):
     opts = options(kwargs)
     limit = parse_budget(budget)
     run = _trainer_run(training_args, opts) if training_args is not None else None
-    rep = _estimate(opts, run, dtype_symbols=dtype_symbols)
+    rep = _estimate(opts, run, dtype_symbols=dtype_symbols, depth_symbols=depth_symbols)
     fit = rep.max_batch(limit) if limit is not None else None
     if as_json:
         data = json.loads(rep.to_json())
@@ -237,6 +239,10 @@ def report(budget, as_json, dtype_symbols, training_args, **kwargs):
             from estimator.reporting.formulas import dtype_markdown
 
             click.echo("\n" + "\n".join(dtype_markdown(rep.dtype_formula)))
+        if rep.depth_formula is not None:
+            from estimator.reporting.formulas import depth_markdown
+
+            click.echo("\n" + "\n".join(depth_markdown(rep.depth_formula, rep.batch, rep.seq)))
         if limit is not None:
             memory = " of device memory" if rep.cuda is not None else ""
             click.echo(f"\nlargest batch that fits in {budget}{memory}: {fit}{_range_note(rep, fit)}")
@@ -248,8 +254,9 @@ def report(budget, as_json, dtype_symbols, training_args, **kwargs):
               help="sympy: the peak expression; latex: an align* block; markdown: a table; json: coefficients.")
 @click.option("--json", "as_json", is_flag=True, help="the same as --format json.")
 @click.option("--dtype-symbols", is_flag=True, help=DTYPE_SYMBOLS_HELP)
+@click.option("--depth-symbols", is_flag=True, help=DEPTH_SYMBOLS_HELP)
 @handle_errors
-def formula(fmt, as_json, dtype_symbols, **kwargs):
+def formula(fmt, as_json, dtype_symbols, depth_symbols, **kwargs):
     """The peak memory of MODEL as a formula in the batch size b (bytes).
 
     \b
@@ -261,12 +268,14 @@ def formula(fmt, as_json, dtype_symbols, **kwargs):
       fxmem formula mlp --step my_step.py:train_step
     """
     opts = options(kwargs)
-    rep = _estimate(opts, dtype_symbols=dtype_symbols)
+    rep = _estimate(opts, dtype_symbols=dtype_symbols, depth_symbols=depth_symbols)
     fmt = "json" if as_json else fmt
     from estimator.reporting.formulas import widths_text
 
-    sympy_text = str(rep.peak) if rep.dtype_formula is None else "\n".join(
-        [str(rep.peak), *(f"{line.peak}    # {widths_text(line.widths)}" for line in rep.dtype_formula.lines)])
+    sympy_text = "\n".join([str(rep.peak), *(f"{line.peak}    # {widths_text(line.widths)}"
+                                             for line in (rep.dtype_formula.lines if rep.dtype_formula else ())),
+                            *([f"{rep.depth_formula.peak}    # L = blocks of {rep.depth_formula.path}"]
+                              if rep.depth_formula else [])])
     render = {"sympy": lambda: sympy_text, "latex": rep.to_latex, "markdown": rep.to_markdown, "json": rep.to_json}
     click.echo(render[fmt]().rstrip("\n"))
 

@@ -169,6 +169,8 @@ def model_options(func=None, *, strategy: bool = True):
 
 DTYPE_SYMBOLS_HELP = ("also the formula in the element width w of the model's float dtype (w = 4 fp32, 2 bf16/fp16; "
                       "parameters Ψ·w, Adam state 2Ψ·w): the step is captured at fp32, bf16 and fp16.")
+DEPTH_SYMBOLS_HELP = ("also the formula in the number of blocks L of the model's repeated blocks, built from the "
+                      "capture that builds its depth (exact from six units of blocks on).")
 STRATEGY_OPTIONS = [
     click.option("--accumulate", type=click.IntRange(min=1), default=1, metavar="K",
                  help="gradient accumulation over K micro-batches of b/K."),

@@ -19,7 +19,7 @@ from torch import nn
 from estimator.account import CATEGORIES, Timeline
 from estimator.capture import steps, world
 from estimator.devices import cuda, cudnn
-from estimator.orchestrate import dtype_formula, reuse
+from estimator.orchestrate import depth_formula, dtype_formula, reuse
 from estimator.orchestrate import path as capture_path
 from estimator.orchestrate.checked import Checked, check
 from estimator.orchestrate.path import Captured, Formula
@@ -39,18 +39,26 @@ from estimator.vocab.symbolic import ZERO, Poly, nondominated
 def estimate(request: Request) -> Report:
     """The report of ``request`` (``estimator.report``'s arguments as one object)."""
     checked = check(request)
-    if not isinstance(request.dtype_symbols, bool):
-        raise InputError(f"dtype_symbols must be True or False, got {request.dtype_symbols!r}")
-    if not request.dtype_symbols:
+    for name in ("dtype_symbols", "depth_symbols"):
+        if not isinstance(getattr(request, name), bool):
+            raise InputError(f"{name} must be True or False, got {getattr(request, name)!r}")
+    if not (request.dtype_symbols or request.depth_symbols):
         return _with_sample_sizes(checked, _report(checked))
-    dtype_formula.check(checked)
+    if request.dtype_symbols:
+        dtype_formula.check(checked)
+    if request.depth_symbols:
+        depth_formula.check(checked)
     formula = capture_formula(checked)
 
     def cast(model: nn.Module, sample, strategy: Strategy) -> Checked:  # the same arguments for a cast copy
-        return check(request.replace(model=model, sample=sample, strategy=strategy))
+        return check(request.replace(model=model, sample=sample, strategy=strategy, depth_symbols=False))
 
-    return dataclasses.replace(_report(checked, formula),
-                               dtype_formula=dtype_formula.build(checked, formula, cast, capture_formula))
+    rep = _report(checked, formula)
+    if request.depth_symbols:
+        rep = dataclasses.replace(rep, depth_formula=depth_formula.build(checked, formula))
+    if request.dtype_symbols:
+        rep = dataclasses.replace(rep, dtype_formula=dtype_formula.build(checked, formula, cast, capture_formula))
+    return rep
 
 
 def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -> dict[str, Report]:

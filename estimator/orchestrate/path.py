@@ -52,6 +52,7 @@ class Formula:
     roles: tuple[tuple[int, ...], ...] = ()  # Strategy(mesh=): the ranks grouped by their program (``RawCapture``)
     bound: Policy | None = None  # the routers' bound the captures had to take (``RawCapture.bound``)
     multiple: int = 1  # b must be a multiple of it: a job's pipeline schedule's micro-batches (``RawCapture``)
+    shallow: tuple | None = None  # the repeated blocks' plan and capture it was built from (``RawCapture.shallow``)
 
     @property
     def seq_range_lo(self) -> int:
@@ -106,11 +107,11 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             notes.append(rounded_note(spec.strategy.accumulate, raw.rounded))
         valid_from, valid_to, guards, graph = raw.valid_from, raw.valid_to, raw.guards, raw.graph
         sites, reads_values, roles, multiple = raw.data_dependent, raw.reads_values, raw.roles, raw.multiple
-        symbolic_regions = raw.symbolic_regions
+        symbolic_regions, shallow = raw.symbolic_regions, raw.shallow
     except SymbolicCaptureFailed as exc:
         log.info("symbolic capture failed (%s); fitting concrete captures", exc)
         spec = _as_found(spec, exc)
-        path, guards, valid_from, symbolic_regions, multiple = CapturePath.CONCRETE, (), 2, False, 1
+        path, guards, valid_from, symbolic_regions, multiple, shallow = CapturePath.CONCRETE, (), 2, False, 1, None
         reads_values = True  # of several captures: counted as following the values (kept for these alone)
         try:
             timeline, graph, valid_to, note, host_notes, sites, roles = _concrete(model, sample, spec, hint, exc)
@@ -145,7 +146,7 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
         notes.append(note)
     bound = spec.data_dependent if spec.data_dependent is not given else None
     return Formula(timeline, path, valid_from, valid_to, guards, graph, seq, seq_range, tuple(notes), sites, own,
-                   reads_values, roles, bound, multiple)
+                   reads_values, roles, bound, multiple, shallow if own is None else None)
 
 
 def at_batch(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,

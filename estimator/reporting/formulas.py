@@ -64,6 +64,8 @@ def to_latex(rep) -> str:
     lines += [rf"&\text{{valid for }} {valid}", r"\end{align*}"]
     if rep.dtype_formula is not None:
         lines += dtype_latex(rep.dtype_formula)
+    if rep.depth_formula is not None:
+        lines += depth_latex(rep.depth_formula)
     return "\n".join(lines)
 
 
@@ -102,6 +104,8 @@ def to_markdown(rep) -> str:
         lines += ["", "Guards: " + "; ".join(f"`{g}`" for g in rep.guards)]
     if rep.dtype_formula is not None:
         lines += ["", *dtype_markdown(rep.dtype_formula)]
+    if rep.depth_formula is not None:
+        lines += ["", *depth_markdown(rep.depth_formula, rep.batch, rep.seq)]
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +120,58 @@ def to_json(rep, indent: int | None = 2) -> str:
     data["optimizer_state_per_parameter"] = rep.optimizer_state_per_param
     if rep.dtype_formula is not None:
         data["dtype_formula"] = dtype_dict(rep.dtype_formula)
+    if rep.depth_formula is not None:
+        data["depth_formula"] = depth_dict(rep.depth_formula)
     return json.dumps(data, indent=indent)
+
+
+# report(depth_symbols=True): the peak in b (s) and L, the number of the model's repeated blocks.
+def _depth_symbols(df) -> str:
+    return "b, s, L" if df.seq is not None else "b, L"
+
+
+def _depth_range(df) -> str:
+    every = f" (every {df.period})" if df.period > 1 else ""
+    upper = "∞" if df.valid_to is None else str(df.valid_to)
+    return f"L ≥ {df.blocks_from}{every}, {df.valid_from} ≤ b ≤ {upper}"
+
+
+def _depth_pieces(df) -> list[sympy.Expr]:
+    peak = df.peak
+    return list(peak.args) if isinstance(peak, sympy.Max) else [peak]
+
+
+def depth_latex(df) -> list[str]:
+    """An ``align*`` block: the peak in ``b`` and ``L``, and where it holds."""
+    terms = [sympy.latex(t) for t in _depth_pieces(df)]
+    peak = terms[0] if len(terms) == 1 else r"\max\left(" + ",\\; ".join(terms) + r"\right)"
+    valid = _depth_range(df).replace("≤", r"\le").replace("≥", r"\ge").replace("∞", r"\infty")
+    return [r"\begin{align*}", rf"\mathrm{{peak}}({_depth_symbols(df)}) &= {peak} \;\text{{B}} \\",
+            rf"&\text{{L: blocks of {df.path} ({df.blocks} in the model); valid for }} {valid}", r"\end{align*}"]
+
+
+def depth_markdown(df, batch: int, seq: int | None) -> list[str]:
+    """The depth formula: the peak in ``b`` and ``L``, its value at the batch for a few depths, its notes."""
+    terms = " , ".join(f"`{t}`" for t in _depth_pieces(df))
+    units = (df.blocks - df.head) // df.period
+    depths = sorted({df.head + df.period * u for u in (df.units_from, units, 2 * units)})
+    out = [f"**In terms of depth** (L = blocks of `{df.path}`, {df.blocks} in the model; valid for {_depth_range(df)}):",
+           "", f"peak({_depth_symbols(df)}) = " + (f"max({terms})" if len(df.pieces) > 1 else terms), ""]
+    if df.holds_at(batch):
+        out += [f"| L | peak at b = {batch} (B) |", "|---:|---:|", *(f"| {n} | {df.at(batch, n, seq):,} |" for n in depths)]
+    else:
+        out.append(f"(b = {batch} lies outside the formula's range of b)")
+    return out + ["", *(f"- {note}" for note in df.notes)]
+
+
+def depth_dict(df) -> dict:
+    """The depth formula as JSON-ready data: each piece ``fixed + units·per_unit`` with exact
+    integer coefficients, ``units = (L - head) / period``."""
+    return {"symbols": [str(B), *([str(S)] if df.seq is not None else []), "L"], "peak": str(df.peak),
+            "path": df.path, "blocks": df.blocks, "head": df.head, "period": df.period,
+            "blocks_from": df.blocks_from, "valid_from": df.valid_from, "valid_to": df.valid_to,
+            "pieces": [{"fixed": coefficients(p.fixed), "per_unit": coefficients(p.per_unit)} for p in df.pieces],
+            "notes": list(df.notes)}
 
 
 # report(dtype_symbols=True): the formulas in b (s) and w, the element width of the model's dtype.

@@ -12,6 +12,7 @@ from torch import fx
 
 from estimator.account import Timeline
 from estimator.devices.cuda import CudaMemory, Overhead, predict, workspaces_held
+from estimator.reporting.depth import DepthFormula
 from estimator.reporting.dtypes import DtypeFormula
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.errors import InputError
@@ -135,6 +136,9 @@ class Report:
     # report(dtype_symbols=True): the peak and its categories in b and the element width w of the
     # model's float dtype (``estimator.reporting.dtypes.DtypeFormula``).
     dtype_formula: DtypeFormula | None = None
+    # report(depth_symbols=True): the peak in b and the number of blocks L of the model's repeated
+    # blocks (``estimator.reporting.depth.DepthFormula``).
+    depth_formula: DepthFormula | None = None
     trainable_params: int = 0  # Ψ: the model's parameters that require grad (elements)
 
     @property

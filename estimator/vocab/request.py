@@ -41,6 +41,7 @@ class Request:
     cache_implementation: str | None = None
     dtype_symbols: bool = False
     compile: Any = None
+    depth_symbols: bool = False
 
     def replace(self, **changes) -> Request:
         """A copy with ``changes`` (the fields' names: ``strategy=``, ``batch=`` …)."""
