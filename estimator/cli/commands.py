@@ -266,6 +266,7 @@ def formula(fmt, as_json, dtype_symbols, depth_symbols, **kwargs):
       fxmem formula vit --format markdown --mode inference
       fxmem formula mlp --format json
       fxmem formula mlp --step my_step.py:train_step
+      fxmem formula llama --size 7b --depth-symbols    # also in L, the number of blocks
     """
     opts = options(kwargs)
     rep = _estimate(opts, dtype_symbols=dtype_symbols, depth_symbols=depth_symbols)

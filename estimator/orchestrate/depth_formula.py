@@ -14,6 +14,12 @@ holds, at each of its ops, a value on the line from the first copy's to the last
 every count by the same bytes), so its peak is never above both.  The formula is the max of these
 lines.
 
+What one capture cannot see: code outside the blocks that follows their number through the config
+(a loop over its ``layer_types``).  So the model one unit deeper is captured too
+(``trace.capture(deeper=True)``, ``capture/depth.py``) and must run the step built one unit deeper,
+op for op and byte for byte, or the formula is refused naming the first op where they part
+(``_checked``); a model without a config that names its depth is not checked, and a note says so.
+
 Not supported (refused by name): a step whose blocks were not built from a few (no repeated
 blocks, the proof failed, a compiled step), ``generate()`` (its decode steps are built after the
 blocks), strategies over several devices.

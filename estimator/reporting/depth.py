@@ -55,13 +55,11 @@ class DepthFormula:
         """The fewest blocks the formula holds for."""
         return self.head + self.period * self.units_from
 
-    def _units(self, blocks: int) -> sympy.Expr:
-        return (blocks - self.head) / sympy.Integer(self.period) if self.period > 1 or self.head else blocks
-
     @property
     def peak(self) -> sympy.Expr:
         """The peak in bytes as a sympy expression in ``b`` (``s``) and ``L``."""
-        terms = [sympy.expand(p.fixed.expr + self._units(L) * p.per_unit.expr) for p in self.pieces]
+        units = (L - self.head) / sympy.Integer(self.period)
+        terms = [sympy.expand(p.fixed.expr + units * p.per_unit.expr) for p in self.pieces]
         return terms[0] if len(terms) == 1 else sympy.Max(*terms)
 
     def holds_at(self, b: int) -> bool:

@@ -152,11 +152,12 @@ def depth_latex(df) -> list[str]:
 
 def depth_markdown(df, batch: int, seq: int | None) -> list[str]:
     """The depth formula: the peak in ``b`` and ``L``, its value at the batch for a few depths, its notes."""
-    terms = " , ".join(f"`{t}`" for t in _depth_pieces(df))
+    pieces = _depth_pieces(df)
+    terms = " , ".join(f"`{t}`" for t in pieces)
     units = (df.blocks - df.head) // df.period
     depths = sorted({df.head + df.period * u for u in (df.units_from, units, 2 * units)})
     out = [f"**In terms of depth** (L = blocks of `{df.path}`, {df.blocks} in the model; valid for {_depth_range(df)}):",
-           "", f"peak({_depth_symbols(df)}) = " + (f"max({terms})" if len(df.pieces) > 1 else terms), ""]
+           "", f"peak({_depth_symbols(df)}) = " + (f"max({terms})" if len(pieces) > 1 else terms), ""]
     if df.holds_at(batch):
         out += [f"| L | peak at b = {batch} (B) |", "|---:|---:|", *(f"| {n} | {df.at(batch, n, seq):,} |" for n in depths)]
     else:
