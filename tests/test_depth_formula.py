@@ -120,7 +120,8 @@ def test_period_and_head_count_in_depth():
     depth = rep.depth_formula
     assert (depth.head, depth.period, depth.blocks, depth.blocks_from) == (1, 2, 15, 13)  # L counts the stem
     notes = " ".join(depth.notes)
-    assert "of their own" in notes and "not checked one unit deeper (no config of the model names its number of blocks" in notes
+    assert "of their own" in notes
+    assert "not checked one unit deeper (no config of the model names its number of blocks" in notes
     for units in (6, 10):
         other = estimator.report(_Net(units), torch.randn(4, 16), loss_fn=_mse, device="cpu")
         assert [depth.at(b, 1 + 2 * units) for b in (4, 9)] == [other.at(b) for b in (4, 9)]

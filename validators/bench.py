@@ -460,8 +460,8 @@ def depth_markdown(found: dict) -> str:
         f"meta device (bf16, AdamW, one sequence of 4,096 tokens, one run): {big['report_s']:.1f} s "
         f"({big['ops']:,} ops; target: <= 10 s), peak {big['peak'] / 2**30:.1f} GiB. The same report with "
         f"`depth_symbols=True` (the peak in b and the number of blocks L, `orchestrate/depth_formula.py`), its capture "
-        f"reused: {big['depth_s']:.1f} s more, for the step built at 81 blocks and the model with 81 blocks captured to "
-        + ("check it against (they agree)." if big["depth_checked"] else "check it against (not checked: see its notes)."),
+        f"reused: {big['depth_s']:.1f} s more, for the step built at 81 blocks and the model with 81 blocks captured "
+        "to check it against " + ("(they agree)." if big["depth_checked"] else "(not checked: see its notes)."),
         DEPTH_MARKS[1],
     ])
 

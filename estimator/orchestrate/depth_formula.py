@@ -65,14 +65,16 @@ def build(request, formula: Formula) -> DepthFormula:
     target, points = request.spec.target, {}
     for units in (plan.units, plan.units + 1):
         origins: list = []
-        raw = repeated_blocks.extend(shallow, dataclasses.replace(plan, units=units), origins, plan)
-        timeline = account(raw)  # (the last: the step built one unit deeper)
+        at_depth = dataclasses.replace(plan, units=units)
+        timeline = account(repeated_blocks.extend(shallow, at_depth, origins, plan))  # (the last: one unit deeper)
         # what Report.peak adds to every op (the cuBLAS workspaces: one per thread that runs matmuls, at any depth)
-        points[units] = _candidates(timeline, origins, units), Poly.const(cuda.workspaces_held(timeline, target))
+        held = Poly.const(cuda.workspaces_held(timeline, target))
+        points[units] = _candidates(timeline, origins, at_depth.copies), held
     (here, held), (deeper, _) = points[plan.units], points[plan.units + 1]
     checked = _checked(request, formula, timeline)
     if here.keys() != deeper.keys():
-        raise CaptureError("depth_symbols=True: the step built one unit deeper runs other ops (a bug: please report it)")
+        raise CaptureError("depth_symbols=True: the step built one unit deeper runs other ops "
+                           "(a bug: please report it)")
     lines: dict[tuple[Poly, Poly], None] = {}
     for key, value in here.items():
         per_unit = deeper[key] - value
@@ -80,8 +82,8 @@ def build(request, formula: Formula) -> DepthFormula:
     pieces = _nondominated(list(lines), formula.valid_from, formula.seq_range_lo)
     units = "blocks" if plan.period == 1 else f"units of {plan.period} blocks"
     notes = [f"{plan.name}: the step built at {plan.units} and {plan.units + 1} {units} from its capture of "
-             f"{plan.captured} blocks; each candidate peak (the bytes alive at an op) is a line in their number: exact, "
-             "not fitted", checked]
+             f"{plan.captured} blocks; each candidate peak (the bytes alive at an op) is a line in their number: "
+             "exact, not fitted", checked]
     if plan.head:
         notes.append(f"the first {plan.head} blocks of {plan.name} are of their own: L counts them too")
     return DepthFormula(plan.name, plan.blocks, plan.head, plan.period, UNITS_FROM,
@@ -114,7 +116,8 @@ def _checked(request, formula: Formula, built: Timeline) -> str:
                            f"step of the model one unit deeper, its config saying so (from {where}): something outside "
                            "the blocks follows their number (a loop over the config's layers) or the data, so the peak "
                            "is no formula in the depth; report each depth you consider")
-    return "checked one unit deeper: the model with its config saying so runs exactly the step the formula is built from"
+    return ("checked one unit deeper: the model with its config saying so runs exactly the step the formula is "
+            "built from")
 
 
 def _op(op) -> tuple:
@@ -122,10 +125,10 @@ def _op(op) -> tuple:
     return op.op, op.phase, op.module, op.live, op.allocated, op.scratch, op.total, op.owner
 
 
-def _candidates(timeline: Timeline, origins: list, units: int) -> dict[tuple, Poly]:
-    """The candidate peaks of a step built at ``units`` units, by where they are at every depth:
-    an op that is no copy, or the first or last copy of a template op; and which scratch value."""
-    first, last = repeated_blocks.TEMPLATE + 1, units - (repeated_blocks.UNITS - repeated_blocks.NEXT) - 1
+def _candidates(timeline: Timeline, origins: list, copies: range) -> dict[tuple, Poly]:
+    """The candidate peaks of a step whose built units are ``copies``, by where they are at every
+    depth: an op that is no copy, or the first or last copy of a template op; and which scratch value."""
+    first, last = copies[0], copies[-1]
     found = {}
     for op, (i, real) in zip(timeline.ops, origins):
         tags = [("op", i)] if real is None else [t for t, unit in ((("first", i), first), (("last", i), last))

@@ -156,10 +156,12 @@ def depth_markdown(df, batch: int, seq: int | None) -> list[str]:
     terms = " , ".join(f"`{t}`" for t in pieces)
     units = (df.blocks - df.head) // df.period
     depths = sorted({df.head + df.period * u for u in (df.units_from, units, 2 * units)})
-    out = [f"**In terms of depth** (L = blocks of `{df.path}`, {df.blocks} in the model; valid for {_depth_range(df)}):",
+    out = [f"**In terms of depth** (L = blocks of `{df.path}`, {df.blocks} in the model; "
+           f"valid for {_depth_range(df)}):",
            "", f"peak({_depth_symbols(df)}) = " + (f"max({terms})" if len(pieces) > 1 else terms), ""]
     if df.holds_at(batch):
-        out += [f"| L | peak at b = {batch} (B) |", "|---:|---:|", *(f"| {n} | {df.at(batch, n, seq):,} |" for n in depths)]
+        out += [f"| L | peak at b = {batch} (B) |", "|---:|---:|",
+                *(f"| {n} | {df.at(batch, n, seq):,} |" for n in depths)]
     else:
         out.append(f"(b = {batch} lies outside the formula's range of b)")
     return out + ["", *(f"- {note}" for note in df.notes)]

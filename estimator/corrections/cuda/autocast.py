@@ -52,6 +52,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from estimator.corrections.cuda import Gap
 from estimator.corrections.mode import BackwardInside
 from estimator.corrections.patches import patched
