@@ -8,6 +8,7 @@ fits, and a large block is split when more than 1 MiB would remain.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -132,12 +133,17 @@ def test_gradients_a_user_step_keeps_come_with_the_first_backward():
     assert rep.timeline.marks.model_returns is None  # a step function: what it returns dies with it
 
 
-def test_replay_both_is_the_two_replays():
+@pytest.mark.parametrize("forked", [False, True])
+def test_replay_both_is_the_two_replays(forked, monkeypatch):
     """``replay_both`` replays the first step's ops once for both protocols: its figures are
-    ``replay_run``'s and ``replay_step``'s, replayed apart."""
+    ``replay_run``'s and ``replay_step``'s, replayed apart; also with the step's replay in a forked
+    process (a long run's, ``FORK_OPS``)."""
+    from estimator.devices import cuda_run
     from estimator.devices.cuda_run import replay_both, replay_run, replay_step
     from estimator.vocab.allocator_options import AllocatorConfig
 
+    if forked:
+        monkeypatch.setattr(cuda_run, "FORK_OPS", 0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     rep = estimator.report(model, torch.randn(8, 256), device="cuda")
     timeline = rep.timeline
@@ -147,3 +153,18 @@ def test_replay_both_is_the_two_replays():
         assert run == replay_run(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
         assert step == replay_step(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
         assert run.steps >= 3 and step.peak_allocated > 0
+        for capacity in {run.stats.peak_reserved - 1, step.peak_reserved - 1}:  # out of memory: as raised apart
+            both, apart = _outcome(lambda: replay_both(timeline, 8, cfg, workspaces, capacity)[::-1]), _outcome(
+                lambda: (replay_step(timeline, 8, cfg, workspaces, capacity), replay_run(timeline, 8, cfg, workspaces,
+                                                                                         capacity)))
+            assert both == apart
+
+
+def _outcome(replay):
+    """What ``replay()`` returns, or the message of the ``OutOfMemory`` it raises."""
+    from estimator.devices.cuda_allocator import OutOfMemory
+
+    try:
+        return replay()
+    except OutOfMemory as exc:
+        return str(exc)

@@ -173,23 +173,45 @@ def test_meta_weights(monkeypatch):
         estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3, device="cpu")
 
 
+def test_meta_weights_are_captured_once(monkeypatch):
+    """``generate()`` reads whether every sequence has finished after each call of the model, so
+    the values come first (here from the narrow stand-in's run): one capture, not a first one that
+    stops at that value after the warm-up and the prompt (seconds on an 8B config)."""
+    from estimator.capture import trace
+
+    calls = []
+    capture = trace._capture
+    monkeypatch.setattr(trace, "_capture", lambda *args, **kwargs: calls.append(1) or capture(*args, **kwargs))
+    with torch.device("meta"):
+        model = gen.make_model("llama")
+    estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3, device="cpu")
+    assert len(calls) == 1
+
+
 def test_the_capture_that_stopped_at_a_value_is_not_kept_alive():
-    """On meta weights the first capture stops at ``generate()``'s first data-dependent value
-    (``NeedsProbe``) and the stand-in's run answers it.  Raised from a local name, the exception,
-    its traceback and the raising frame made a cycle that kept the stopped capture's frames alive,
-    and through their callers the finished capture (a long ``generate()``'s million recorded ops,
-    0.7 GB at 512 new tokens of Llama-3-8B) until the cyclic collector ran, which fxmem pauses
-    after a capture: with the collector off, no ``NeedsProbe`` may outlive the report."""
+    """A capture that stops at a data-dependent value (``NeedsProbe``: here a branch on the
+    weights' output) is run again with the probe's values.  Raised from a local name, the
+    exception, its traceback and the raising frame made a cycle that kept the stopped capture's
+    frames alive, and through their callers the finished capture (a long ``generate()``'s million
+    recorded ops, 0.7 GB at 512 new tokens of Llama-3-8B) until the cyclic collector ran, which
+    fxmem pauses after a capture: with the collector off, no ``NeedsProbe`` may outlive the report."""
     import gc
 
     from estimator.capture import datadep
 
-    with torch.device("meta"):
-        model = gen.make_model("llama")
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y * 2 if (y > 0).any() else y
+
     gc.collect()
     gc.disable()
     try:
-        estimator.report(model, gen.make_sample(2, 8), mode="generate", new_tokens=3, device="cpu")
+        estimator.report(Scaled(), torch.ones(4, 8), device="cpu")
         alive = [o for o in gc.get_objects() if isinstance(o, datadep.NeedsProbe)]
     finally:
         gc.enable()

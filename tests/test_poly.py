@@ -45,9 +45,10 @@ def test_subtraction_is_adding_the_negation():
 
 
 def test_sums_and_values_agree_with_sympy():
-    # byte counts of degree <= 1 take a path of their own (no loops): the same trimmed Poly and the same
+    # byte counts of degree <= 1 take paths of their own (two lines each): the same trimmed Poly and the same
     # values as the general one, cancellations to 0 included
-    polys = [Poly(), Poly((5,)), Poly((-5,)), Poly((0, 3)), Poly((4, -3)), Poly((1, -2, 4)), Poly((7,), ((0, 1, 2),))]
+    polys = [Poly(), Poly((5,)), Poly((-5,)), Poly((0, 3)), Poly((4, -3)), Poly((-4, 3)), Poly((1, -2, 4)),
+             Poly((7,), ((0, 1, 2),))]
     for p, q in itertools.product(polys, repeat=2):
         for total, expected in ((p + q, p.expr + q.expr), (p - q, p.expr - q.expr)):
             assert total == Poly.of(sympy.expand(expected)) and total.expr == sympy.expand(expected)

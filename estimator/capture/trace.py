@@ -37,6 +37,7 @@ from estimator.capture import (
     decode_steps,
     depth,
     generation,
+    growth,
     isolation,
     phases,
     pipelines,
@@ -59,7 +60,7 @@ from estimator.capture.fake import (
     with_rows,
 )
 from estimator.capture.records import RawCapture, StepSpec
-from estimator.capture.tracker import Storage, Tracker
+from estimator.capture.tracker import Tracker
 from estimator.capture.watchdog import Watchdog
 from estimator.corrections import custom_ops, libraries
 from estimator.corrections.cpu import host as cpu_target
@@ -147,6 +148,10 @@ def _capture_generated(model: nn.Module, sample: Any, spec: StepSpec, batch: int
         return raw
 
 
+GENERATE_READS = ("generate() reads a data-dependent value after each call of the model (whether every sequence has "
+                  "finished: unfinished_sequences.max() == 0)")
+
+
 def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool,
                     seq_dims: dict[int, tuple[int, ...]] | None = None) -> RawCapture:
     """The capture, with the values fake tensors cannot know (sizes, Python branches on tensor
@@ -159,23 +164,28 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     # same rows at every size (datadep.DataDependent._seed_inputs).
     cycled = symbolic or has_row_lists(spec.batch_dims) or spec.strategy.mesh is not None
     probe_sample = _with_rows(sample, batch, spec.batch_dims) if cycled else sample
-    ran = False  # whether the probe ran
-    if policy.needs_probe:
+    # generate() reads whether every sequence has finished after each call of the model: a capture
+    # without the probe's values stops there, after the warm-up and the prompt (seconds on a large model)
+    if spec.mode is Mode.GENERATE and not (policy.needs_probe or policy.observed or policy.values):
+        stopped, after_topk = GENERATE_READS, False
+    else:
+        ran = False  # whether the probe ran
+        if policy.needs_probe:
+            try:
+                spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
+                ran = True
+            except InputError:  # the weights are on the meta device: the sample's own values may fix every size
+                spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
         try:
-            spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
-            ran = True
-        except InputError:  # the weights are on the meta device: the sample's own values may fix every size
-            spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
-    try:
-        raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
-        # started at a bound another rank's capture found (``path.Formula.bound``): as ``_routed`` returns it
-        return dataclasses.replace(raw, reads_values=raw.reads_values or ran or policy.routed_bound)
-    except datadep.NeedsProbe as exc:
-        if spec.data_dependent.observed or spec.data_dependent.values:
-            raise _unreached(exc, spec.data_dependent, spec) from None
-        # what the rest needs of the stopped capture, outside this block: its frames, and all they
-        # hold, go with the exception before the next capture runs
-        stopped, after_topk = _at(exc), exc.after_topk
+            raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
+            # started at a bound another rank's capture found (``path.Formula.bound``): as ``_routed`` returns it
+            return dataclasses.replace(raw, reads_values=raw.reads_values or ran or policy.routed_bound)
+        except datadep.NeedsProbe as exc:
+            if spec.data_dependent.observed or spec.data_dependent.values:
+                raise _unreached(exc, spec.data_dependent, spec) from None
+            # what the rest needs of the stopped capture, outside this block: its frames, and all they
+            # hold, go with the exception before the next capture runs
+            stopped, after_topk = _at(exc), exc.after_topk
     try:
         probed = _probed(model, probe_sample, spec)
     except InputError:
@@ -437,10 +447,10 @@ def _capture_on(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbo
             phases.drop_state_without_grad(tracker, optimizers, warm.constructed)
         graph = tracker.recorder.finish([t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)])
         del result
-        leak = _step_growth(tracker, shape_env) if user else ()
+        leak = growth.step_growth(tracker, shape_env) if user else ()
 
     def grown() -> tuple[str, ...]:  # last: its extra step must not add guards to what was read
-        return _growth_note(fmodel, run_step, mode, real, before, after, micro)
+        return growth.growth_note(fmodel, run_step, mode, real, before, after, micro)
 
     unknown = set(spec.data_dependent.sites) - set(dd.sites)
     if unknown:
@@ -699,51 +709,3 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
 
     lazy = phases.lazy_births(optimizers, constructed, steps.instances_in(user_state, torch.amp.GradScaler))
     return _WarmedUp(run_step, optimizers, state, kept, notes=notes, lazy=lazy)
-
-
-def _step_growth(tracker: Tracker, shape_env: ShapeEnv | None) -> tuple[str, ...]:
-    """A note when a user's step holds more once it returned than before it started (its result
-    dropped): what it allocated and keeps (a list of losses it appends to) minus the state it
-    freed.  There is then no steady state: every later step starts higher."""
-    gc.collect()
-    alive = tracker.alive_keys()
-    known = {} if shape_env is None else (getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val)
-
-    def nbytes(s: Storage) -> int:
-        return int(sympy.sympify(s.nbytes).xreplace(known)) + int(sympy.sympify(s.extra).xreplace(known))
-
-    kept = [s for key, s in tracker.storages.items() if s.op >= 0 and key in alive]
-    freed = [s for key, s in tracker.storages.items() if s.op < 0 and key not in alive]
-    grown = sum(map(nbytes, kept)) - sum(map(nbytes, freed))
-    if grown <= 0:
-        return ()
-    ops = ", ".join(dict.fromkeys(tracker.ops[s.op].name for s in kept))
-    return (f"your step holds {grown:,} B more when it returns than when it started (at the capture's batch; "
-            f"allocated by {ops} and still referenced: a list it appends to?). There is no steady state: this is "
-            "the next step's peak, and every later step starts that much higher",)
-
-
-def _growth_note(model: nn.Module, run_step, mode: FakeTensorMode, real: RealTensors, before: dict[str, int],
-                 after: dict[str, int], batch: int) -> tuple[str, ...]:
-    """A note when the model holds more after each step than before it (a buffer or a list of
-    tensors appended to in ``forward``): no steady state.  The measured step was the fake
-    model's first, so state it created once (a cache) also looks like growth: only then is one
-    more step (``run_step()``) run, not recorded, to see whether it grows again."""
-    if sum(after.values()) <= sum(before.values()):
-        return ()
-    real.tracker = None  # the capture is over: tensors met now are not memory of the step
-    try:
-        with Watchdog(), mode, real:
-            result = run_step()
-            del result
-    except Exception:  # the step cannot be repeated without the capture's modes: cannot tell
-        return ()
-    again = phases.model_state(model)
-    grown = sum(again.values()) - sum(after.values())
-    if grown <= 0:
-        return ()
-    names = [name for name, n in again.items() if n > after.get(name, 0)]
-    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return (f"the model's memory grows with every step: it holds {grown:,} B more after each step at b = {batch} "
-            f"({shown}: a buffer or a list of tensors added to in forward). There is no steady state: this "
-            "estimate is for the next step from the model as given, and every later step holds more",)

@@ -87,9 +87,13 @@ def cublas_first_uses(timeline: Timeline) -> list[int]:
     matmuls.
     """
     first: dict[bool, int] = {}
+    cublas: dict[str, bool] = {}  # by overload (a long generate() has a million ops, of a few hundred overloads)
     for i, op in enumerate(timeline.ops):
-        namespace, _, rest = op.op.partition(".")
-        if namespace == "aten" and rest.split(".")[0] in CUBLAS_OPS:
+        uses = cublas.get(op.op)
+        if uses is None:
+            namespace, _, rest = op.op.partition(".")
+            uses = cublas[op.op] = namespace == "aten" and rest.split(".")[0] in CUBLAS_OPS
+        if uses:
             first.setdefault(op.phase is Phase.BACKWARD, i)
     return sorted(first.values())
 

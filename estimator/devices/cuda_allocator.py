@@ -83,6 +83,7 @@ import copy
 import dataclasses
 import enum
 import operator
+from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 
 from estimator.vocab.allocator_options import K_LARGE_BUFFER, SIZE_MAX, AllocatorConfig, is_pow2
@@ -259,15 +260,22 @@ class _Block:
         self.next = after
 
 
+_SIZE_SHIFT, _STREAM_SHIFT = 64, 128  # a free block's key: (stream, size, address) as one int (below)
+
+
 class _Pool:
     """``BlockPool``: free blocks ordered by (stream, size, address) (``BlockComparatorSize``),
     ``unmapped`` address space of expandable segments ordered by (stream, address)
-    (``BlockComparatorAddress``), and the garbage-collection clock (one for all streams)."""
+    (``BlockComparatorAddress``), and the garbage-collection clock (one for all streams).
+
+    A free block's key is ``stream << 128 | size << 64 | address``, which orders as the tuple
+    does (sizes and addresses stay below 2**64): ints compare and hash faster than tuples, and the
+    search for a size is the replay's most frequent step."""
 
     def __init__(self, small: bool) -> None:
         self.small = small
-        self.keys: list[tuple[int, int, int]] = []
-        self.blocks: dict[tuple[int, int, int], _Block] = {}
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
         self.unmapped_keys: list[tuple[int, int]] = []
         self.unmapped: dict[tuple[int, int], _Block] = {}
         self.get_free_blocks_call_count = 0
@@ -275,23 +283,23 @@ class _Pool:
     def insert(self, b: _Block) -> None:
         """``insert_into_blocks``: cache a free block and note when (its age starts at 0)."""
         b.gc_count_base = self.get_free_blocks_call_count
-        key = (b.stream, b.size, b.addr)
-        bisect.insort(self.keys, key)
+        key = b.stream << _STREAM_SHIFT | b.size << _SIZE_SHIFT | b.addr
+        insort(self.keys, key)
         self.blocks[key] = b
 
     def erase(self, b: _Block) -> None:
-        key = (b.stream, b.size, b.addr)
-        del self.keys[bisect.bisect_left(self.keys, key)]
+        key = b.stream << _STREAM_SHIFT | b.size << _SIZE_SHIFT | b.addr
+        del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 
     def lower_bound(self, stream: int, size: int) -> int:
         """``blocks.lower_bound`` with the search key (``stream``, ``size``): where ``stream``'s
         first free block of at least ``size`` bytes is, if there is one (``block_of`` says)."""
-        return bisect.bisect_left(self.keys, (stream, size, -1))
+        return bisect_left(self.keys, stream << _STREAM_SHIFT | size << _SIZE_SHIFT)
 
     def block_of(self, idx: int, stream: int) -> _Block | None:
         """The free block at ``idx`` if it is one of ``stream``'s."""
-        if idx < 0 or idx >= len(self.keys) or self.keys[idx][0] != stream:
+        if idx < 0 or idx >= len(self.keys) or self.keys[idx] >> _STREAM_SHIFT != stream:
             return None
         return self.blocks[self.keys[idx]]
 
@@ -447,9 +455,9 @@ class CachingAllocatorModel:
         """``malloc`` on ``stream`` (0: the default stream; others any non-negative int): returns
         a handle for :meth:`free`.  0 bytes allocate nothing (``NativeCachingAllocator::allocate``
         returns a null pointer)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if type(nbytes) is not int and (isinstance(nbytes, bool) or not isinstance(nbytes, int)) or nbytes < 0:
             raise InputError(f"allocation size must be a non-negative int, got {nbytes!r}")
-        if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        if type(stream) is not int and (isinstance(stream, bool) or not isinstance(stream, int)) or stream < 0:
             raise InputError(f"a stream must be a non-negative int, got {stream!r}")
         handle = self._next_handle
         self._next_handle += 1
@@ -516,9 +524,9 @@ class CachingAllocatorModel:
     def _malloc(self, orig_size: int, stream: int) -> _Block:
         size = round_size(orig_size, self.cfg)
         pool = self._small if size <= K_SMALL_SIZE else self._large  # get_pool
-        alloc_size = get_allocation_size(size)
         block = self._get_free_block(pool, size, stream)
         if block is None:
+            alloc_size = get_allocation_size(size)
             if self._collects:
                 self._garbage_collect_cached_blocks()
             block = self._alloc_block(pool, size, alloc_size, stream)
@@ -557,10 +565,11 @@ class CachingAllocatorModel:
         garbage-collection clock when collection is active."""
         if self._collects:
             pool.get_free_blocks_call_count += 1
-        idx = pool.lower_bound(stream, size)
-        block = pool.block_of(idx, stream)
-        if block is None:
+        keys = pool.keys
+        idx = bisect_left(keys, stream << _STREAM_SHIFT | size << _SIZE_SHIFT)  # pool.lower_bound, pool.block_of
+        if idx == len(keys) or keys[idx] >> _STREAM_SHIFT != stream:
             return None
+        block = pool.blocks[keys[idx]]
         # Blocks of expandable segments exist only with expandable_segments:True here (the
         # option is fixed for a model), so the "turned off since" branch of the source is moot.
         while block.segment is not None:
@@ -591,6 +600,7 @@ class CachingAllocatorModel:
             return None
         block = _Block(size=alloc_size, addr=self._next_addr, small=pool.small, stream=stream)
         self._next_addr += alloc_size
+        assert self._next_addr >> _SIZE_SHIFT == 0, "addresses past 2**64: the pools' keys would collide"
         self._segments += 1
         self._reserved.increase(alloc_size)
         return block
@@ -621,6 +631,7 @@ class CachingAllocatorModel:
         if es.size() < size:
             return None
         self._next_addr += es.size()
+        assert self._next_addr >> _SIZE_SHIFT == 0, "addresses past 2**64: the pools' keys would collide"
         self._expandable_segments.append(es)
         candidate = _Block(size=es.size(), addr=es.base, small=pool.small, stream=stream, mapped=False,
                            segment=es)
@@ -676,25 +687,29 @@ class CachingAllocatorModel:
         """``alloc_found_block``: split off the front ``size`` bytes if asked, mark allocated."""
         if split_remainder:
             remaining = block
-            block = _Block(size=size, addr=remaining.addr, small=remaining.small, stream=remaining.stream,
-                           prev=remaining.prev, next=remaining, segment=remaining.segment)
+            # (size, addr, small, stream, allocated, requested, prev, next, mapped, segment)
+            block = _Block(size, remaining.addr, remaining.small, remaining.stream, True, orig_size, remaining.prev,
+                           remaining, True, remaining.segment)
             if block.prev is not None:
                 block.prev.next = block
             remaining.prev = block
             remaining.addr += size
             remaining.size -= size
             pool.insert(remaining)
-        block.allocated = True
-        block.requested = orig_size
+        else:
+            block.allocated = True
+            block.requested = orig_size
         self._allocated.increase(block.size)
         self._requested.increase(orig_size)
         return block
 
     def _free_block(self, block: _Block) -> None:
         """``free_block``: merge with free neighbours (``try_merge_blocks``), return to pool."""
-        pool = self._pool_of(block)
-        for candidate in (block.prev, block.next):
-            self._try_merge_blocks(block, candidate, pool)
+        pool = self._small if block.small else self._large
+        if block.prev is not None and not block.prev.allocated:
+            self._try_merge_blocks(block, block.prev, pool)
+        if block.next is not None and not block.next.allocated:
+            self._try_merge_blocks(block, block.next, pool)
         pool.insert(block)
 
     @staticmethod

@@ -46,14 +46,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from estimator.account import Timeline
-from estimator.devices.cuda_allocator import AllocatorStats, CachingAllocatorModel
-from estimator.vocab import progress
+from estimator.devices.cuda_allocator import AllocatorStats, CachingAllocatorModel, OutOfMemory
+from estimator.vocab import forked, progress
 from estimator.vocab.allocator_options import AllocatorConfig
 from estimator.vocab.categories import Birth, Category, Phase
 
 MAX_STEPS = 16  # steps replayed at most
 CHUNK = 1 << 16  # the ops a progress bar moves by
 STABLE = 4  # ... or until the figures have not changed for this many steps (a layout that drifts slowly)
+FORK_OPS = 1 << 17  # the events from which the step's replay is worth a forked process (~0.5 s a walk)
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,24 @@ def replay_both(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: li
     """``replay_run`` and ``replay_step`` of one plan: the two are the same up to the end of the
     first step's ops (only what the first step returns is handled apart: kept until the next model
     call in a run, freed at once in the benchmark's protocol), so that part is replayed once and
-    the allocator's state copied.  The step's replay runs first: an ``OutOfMemory`` is raised as by
-    ``replay_step`` then ``replay_run``."""
+    the allocator's state copied.  An ``OutOfMemory`` is raised as by ``replay_step`` then
+    ``replay_run``.  A long run's two replays after the first step run side by side, the step's in a
+    forked process (``vocab.forked``): a long ``generate()``'s replay is seconds per step."""
     with progress.task("CUDA caching-allocator replay", unit="op") as bar:  # a long generate(): seconds
         run = _Replay(_Plan(timeline, b, workspaces), timeline, cfg, capacity, device_total, bar)
         run.step_ops()  # the first step's
-        step = run.fork().warm_up_protocol().steps(2, reset_after_first=True).stats
-        return run.steps(MAX_STEPS), step
+        bench = run.fork().warm_up_protocol()
+        if len(run.plan.program) < FORK_OPS:
+            step = bench.steps(2, reset_after_first=True).stats
+            return run.steps(MAX_STEPS), step
+        bench.bar = progress.SILENT
+        step = forked.started(lambda: bench.steps(2, reset_after_first=True).stats)
+        try:
+            ran = run.steps(MAX_STEPS)
+        except OutOfMemory:
+            step()  # the step's own, first
+            raise
+        return ran, step()
 
 
 class _Replay:
@@ -217,7 +229,7 @@ class _Plan:
         births = timeline.births or (None,) * len(storages)  # unknown: state loaded first, in storage order
         allocs: dict[int, list[int]] = {}
         self.frees: dict[int, list[int]] = {}
-        scratch = [max((s(b) for s in op.scratch), default=0) for op in timeline.ops]
+        scratch = {i: max(s(b) for s in op.scratch) for i, op in enumerate(timeline.ops) if op.scratch}
         self.born: dict[int, list[tuple[Hashable, int]]] = {}
         self.survivors: list[int] = []
         load, setup, self.batch = [], [], []
@@ -251,10 +263,10 @@ class _Plan:
         # the last op), as (op, its outputs as (key, bytes), its scratch, its stream, what it frees);
         # what an op allocates is on its stream
         ops, n = timeline.ops, len(timeline.ops)
-        busy = {*allocs, *self.frees, *self.born, *(i for i, x in enumerate(scratch) if x), n}
+        busy = {*allocs, *self.frees, *self.born, *(i for i, x in scratch.items() if x), n}
         if self.returns is not None:
             busy.add(self.returns)
-        self.program = [(i, tuple((k, self.sizes[k]) for k in allocs.get(i, ())), scratch[i] if i < n else 0,
+        self.program = [(i, tuple((k, self.sizes[k]) for k in allocs.get(i, ())), scratch.get(i, 0),
                          ops[i].stream if i < n else 0, tuple(self.frees.get(i, ())))
                         for i in sorted(busy) if 0 <= i <= n]
 

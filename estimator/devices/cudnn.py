@@ -191,11 +191,14 @@ def conv_calls(timeline, graph) -> tuple[ConvCall, ...]:
     and tensor metadata) and timeline (bytes alive at each op)."""
     if graph is None:
         return ()
-    nodes = {node.name: node for node in graph.nodes if node.op == "call_function"}
+    nodes = {node.name: node for node in graph.nodes
+             if node.op == "call_function" and (node.target in _FORWARD or node.target in _BACKWARD)}
+    if not nodes:  # (a long generate() has a million ops)
+        return ()
     found = []
     for op in timeline.ops:
         node = nodes.get(op.node)
-        if node is None or (node.target not in _FORWARD and node.target not in _BACKWARD):
+        if node is None:
             continue
         kinds = _calls(node.target, bind(node.target, node.args, node.kwargs))
         before = op.total - sum(op.allocated, Poly())

@@ -26,7 +26,6 @@ import copyreg
 import dataclasses
 import io
 import multiprocessing
-import os
 import pickle
 import sys
 import threading
@@ -39,17 +38,10 @@ from estimator.orchestrate.checked import Checked
 from estimator.orchestrate.path import formula_of
 from estimator.vocab import progress
 from estimator.vocab.errors import InputError
+from estimator.vocab.forked import usable_cores
 
 # the captures a forked child runs, by index (set before the fork; a child reads its copy)
 _PENDING: list[Checked] = []
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def workers_for(workers: int | None, captures: int) -> int:

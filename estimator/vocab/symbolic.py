@@ -64,12 +64,20 @@ class Poly:
         return _from_expr(value)
 
     def __add__(self, other: Poly) -> Poly:
+        a, c = self.coeffs, other.coeffs
+        if len(a) == 2 == len(c) and not (self.mixed or other.mixed):  # the most common case, inline (accounting)
+            low, high = a[0] + c[0], a[1] + c[1]
+            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
         return self._plus(other, 1)
 
     def __neg__(self) -> Poly:
         return Poly(tuple(-x for x in self.coeffs), tuple((i, j, -c) for i, j, c in self.mixed))
 
     def __sub__(self, other: Poly) -> Poly:  # self + (-other) in one pass (the strategies subtract per block)
+        a, c = self.coeffs, other.coeffs
+        if len(a) == 2 == len(c) and not (self.mixed or other.mixed):  # as in __add__
+            low, high = a[0] - c[0], a[1] - c[1]
+            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
         return self._plus(other, -1)
 
     def _plus(self, other: Poly, sign: int) -> Poly:

@@ -1,0 +1,66 @@
+"""Work done in a process forked from this one, so that a second core takes half of it.
+
+Fork copies this process as it is (copy-on-write): the child finds every object the work needs
+without pickling it, and sends back only the pickled result.  Linux only (fork is unsafe on
+macOS, absent on Windows); elsewhere, or on one core, the work runs here when its result is
+asked for.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def can_fork() -> bool:
+    """Whether a forked child would run beside this process: Linux, and a second usable core."""
+    return sys.platform.startswith("linux") and usable_cores() > 1
+
+
+def started(work: Callable[[], T]) -> Callable[[], T]:
+    """Start ``work()`` in a forked child; the function returned waits for it and returns its
+    result.  Where the child fails (an exception, a result that does not pickle, a killed child)
+    or cannot run, ``work()`` runs in this process when the result is asked for: it raises here
+    as it would have.  ``work`` must leave this process's state alone (the child's changes are
+    lost) and only compute: no threads, no torch kernels (fork copies neither the OpenMP threads
+    nor held locks)."""
+    if not can_fork():
+        return work
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the work, its pickled result, and out without running any exit handler
+        code = 1
+        try:
+            os.close(read)
+            gc.disable()  # a collection would walk (and copy) every object the parent had
+            data = pickle.dumps(work(), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(write, "wb") as out:
+                out.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+
+    def result() -> T:
+        with os.fdopen(read, "rb") as data:
+            sent = data.read()
+        _, status = os.waitpid(pid, 0)
+        if status == 0 and sent:
+            return pickle.loads(sent)
+        return work()
+
+    return result
