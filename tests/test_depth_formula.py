@@ -22,8 +22,11 @@ SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, inter
 
 def _llm(family: str, layers: int) -> nn.Module:
     torch.manual_seed(0)
-    config = {"llama": transformers.LlamaConfig, "gemma2": transformers.Gemma2Config}[family]
-    extra = {"gemma2": dict(head_dim=16, sliding_window=8)}.get(family, {})  # alternating sliding / global layers
+    config = {"llama": transformers.LlamaConfig, "gemma2": transformers.Gemma2Config,
+              "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+    extra = {"gemma2": dict(head_dim=16, sliding_window=8),  # alternating sliding / global layers
+             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,  # a dense first layer
+                               shared_expert_intermediate_size=32, mlp_only_layers=[0])}.get(family, {})
     return transformers.AutoModelForCausalLM.from_config(config(num_hidden_layers=layers, **SMALL, **extra))
 
 
@@ -59,6 +62,21 @@ def test_llama_cuda_inference_exact():
     assert any(note.startswith("checked one unit deeper") for note in depth.notes)
     other = estimator.report(_llm("llama", 10), _tokens(), batch=2, device="cuda", mode="inference")
     assert [depth.at(b, 10) for b in (2, 3)] == [_formula_at(other, b) for b in (2, 3)]
+
+
+def test_the_deeper_config_keeps_what_is_set_after_its_fields():
+    """The model one unit deeper gets a copy of the config with its depth and per-block lists one
+    unit longer and every other attribute kept: transformers sets the attention and experts
+    implementations after the config's fields (``_attn_implementation_internal``), which a config
+    rebuilt from its fields (``dataclasses.replace``) lost; Qwen2-MoE's model-level masks then
+    followed another implementation than its blocks' and the check refused its formula."""
+    rep = estimator.report(_llm("qwen2_moe", 8), _tokens(), batch=2, loss_fn=_loss, device="cuda",
+                           depth_symbols=True)
+    depth = rep.depth_formula
+    assert (depth.head, depth.period) == (1, 1)
+    assert any(note.startswith("checked one unit deeper") for note in depth.notes)
+    other = estimator.report(_llm("qwen2_moe", 11), _tokens(), batch=2, loss_fn=_loss, device="cuda")
+    assert [depth.at(b, 11) for b in (2, 5)] == [_formula_at(other, b) for b in (2, 5)]
 
 
 def test_code_outside_the_blocks_that_follows_the_depth_is_refused():

@@ -43,11 +43,14 @@ def deepen(copy_: nn.Module, plan_: repeated_blocks.Plan) -> bool:
             elif all(type(i) is int for i in value):  # indices of blocks
                 moved = [i + plan_.period if i >= at else i for i in value]
                 changes[name] = type(value)(sorted(moved + [at + i - first for i in template if i in value]))
-        if dataclasses.is_dataclass(config):
-            return dataclasses.replace(config, **{k: v for k, v in changes.items() if k in fields})
+        # a copy with these attributes set, every other one kept: dataclasses.replace would build a new one
+        # from the fields alone and lose what is set after (transformers' _attn_implementation_internal)
         config = copy.copy(config)
         for name, value in changes.items():
-            setattr(config, name, value)
+            try:
+                setattr(config, name, value)  # (through a config's own aliases: GPT-2's num_hidden_layers)
+            except dataclasses.FrozenInstanceError:
+                object.__setattr__(config, name, value)
         return config
 
     made: dict[int, Any] = {}

@@ -273,12 +273,21 @@ def nondominated(polys: Iterable[Poly], lo: int, hi: int | None, s_lo: int = 0) 
     maximum (and possibly a few that cannot).
     """
     polys = list(polys)
+    highest: dict[int, tuple[int, int]] = {}  # lines: slope -> (intercept, index) of the first highest
+    for i, p in enumerate(polys):
+        c = p.coeffs
+        if p.mixed or len(c) > 2:
+            break
+        slope, intercept = (c[1] if len(c) == 2 else 0), (c[0] if c else 0)
+        kept = highest.get(slope)
+        if kept is None or intercept > kept[0]:  # (a lower line of the same slope is never the maximum)
+            highest[slope] = intercept, i
+    else:
+        return sorted(_upper_envelope([(slope, intercept, i) for slope, (intercept, i) in highest.items()], lo, hi))
     best: dict[Poly, int] = {}
     for i, p in enumerate(polys):
         best.setdefault(p, i)
     unique = list(best.items())
-    if all(p.degree <= 1 and not p.has_s for p, _ in unique):
-        return sorted(_upper_envelope(unique, lo, hi))
     # Largest first at the domain's corner: a piece can only be dominated by one at least as
     # large there, and dominance is transitive, so comparing with the kept pieces suffices.
     shifted = sorted(((p.shifted(lo, s_lo), i) for p, i in unique), key=lambda t: -t[0](0, 0))
@@ -289,11 +298,11 @@ def nondominated(polys: Iterable[Poly], lo: int, hi: int | None, s_lo: int = 0) 
     return sorted(i for _, i in keep)
 
 
-def _upper_envelope(lines: list[tuple[Poly, int]], lo: int, hi: int | None) -> list[int]:
-    # Walk from b = lo to the right: at each breakpoint the line with the largest value and,
-    # among ties, the steepest slope takes over.  O(n * k) for k envelope pieces (k is tiny).
+def _upper_envelope(candidates: list[tuple[int, int, int]], lo: int, hi: int | None) -> list[int]:
+    # Lines as (slope, intercept, index).  Walk from b = lo to the right: at each breakpoint the line
+    # with the largest value and, among ties, the steepest slope takes over.  O(n * k) for k envelope
+    # pieces (k is tiny).
     keep, b = [], lo
-    candidates = [(p.coeff(1), p.coeff(0), i) for p, i in lines]
     while True:
         slope, icpt, idx = max(candidates, key=lambda t: (t[1] + t[0] * b, t[0]))
         keep.append(idx)
