@@ -97,7 +97,8 @@ class Timeline:
         equal ones); every byte count a polynomial in ``b`` alone."""
         found = self._peaks.get(b)
         if found is None:
-            found = self._peaks[b] = max(self._candidates, key=lambda c: c[0](b))[1]
+            values = [poly(b) for poly, _ in self._candidates]
+            found = self._peaks[b] = self._candidates[values.index(max(values))][1]
         return found
 
     @functools.cached_property
@@ -106,8 +107,13 @@ class Timeline:
 
     @functools.cached_property
     def _candidates(self) -> tuple[tuple[Poly, tuple[int, int]], ...]:  # a report asks several times
-        found = tuple((poly, (i, k)) for i, op in enumerate(self.ops) for k, poly in enumerate(op.peaks()))
-        return found or ((_sum(self.baseline), (-1, 0)),)
+        found = []
+        for i, op in enumerate(self.ops):
+            if op.scratch:
+                found.extend((poly, (i, k)) for k, poly in enumerate(op.peaks()))
+            else:  # most ops (a million in a long generate()): one candidate
+                found.append((op.total, (i, 0)))
+        return tuple(found) or ((_sum(self.baseline), (-1, 0)),)
 
     def prefix(self, cut: int) -> Timeline:
         """The first ``cut`` ops, what they made and is alive after them freed there: a run that

@@ -136,17 +136,19 @@ def test_gradients_a_user_step_keeps_come_with_the_first_backward():
 @pytest.mark.parametrize("forked", [False, True])
 def test_replay_both_is_the_two_replays(forked, monkeypatch):
     """``replay_both`` replays the first step's ops once for both protocols: its figures are
-    ``replay_run``'s and ``replay_step``'s, replayed apart; also with the step's replay in a forked
-    process (a long run's, ``FORK_OPS``)."""
-    from estimator.devices import cuda_run
+    ``replay_run``'s and ``replay_step``'s, replayed apart; also with the step's replay, and the
+    report's, in a forked process (a long run's, ``FORK_OPS``)."""
+    from estimator.devices import cuda, cuda_run
     from estimator.devices.cuda_run import replay_both, replay_run, replay_step
     from estimator.vocab.allocator_options import AllocatorConfig
 
     if forked:
         monkeypatch.setattr(cuda_run, "FORK_OPS", 0)
+        monkeypatch.setattr(cuda, "FORK_OPS", 0)  # the report's replay, beside its assembly
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     rep = estimator.report(model, torch.randn(8, 256), device="cuda")
     timeline = rep.timeline
+    assert rep.cuda == cuda.predict(timeline, 8, rep.target) == cuda.predict_started(timeline, 8, rep.target)()
     for cfg in (AllocatorConfig(), AllocatorConfig.parse("expandable_segments:True")):
         workspaces = [(0, 8 * 2**20)]
         run, step = replay_both(timeline, 8, cfg, workspaces, device_total=80 * 2**30)

@@ -13,11 +13,13 @@ capture with the CUDA target (``estimator.corrections``: CUDA kernels and defaul
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from estimator.account import Timeline
 from estimator.corrections.cuda import not_modelled
-from estimator.devices.cuda_run import replay_both
+from estimator.devices.cuda_run import FORK_OPS, replay_both
+from estimator.vocab import forked
 from estimator.vocab.categories import Phase
 from estimator.vocab.gpus import cublas_workspace_bytes, cublaslt_extra_bytes
 from estimator.vocab.target import TargetSpec
@@ -118,6 +120,16 @@ def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None =
     return CudaMemory(b, stats.peak_allocated, stats.peak_reserved, spec.context_bytes, len(firsts) * size,
                       len(firsts), stats.segments, step.peak_allocated, step.peak_reserved, run.steps, run.repeated,
                       run.carried, timeline.managed)
+
+
+def predict_started(timeline: Timeline, b: int, spec: TargetSpec) -> Callable[[], CudaMemory]:
+    """``predict``, started in a forked process where the timeline is long (``cuda_run.FORK_OPS``
+    ops: a long ``generate()``), so that what the caller computes before asking for its result
+    runs beside it (``vocab.forked``); else run when asked."""
+    def work() -> CudaMemory:
+        return predict(timeline, b, spec)
+
+    return forked.started(work) if len(timeline.ops) >= FORK_OPS else work
 
 
 def not_modelled_note(ran=None) -> str:

@@ -215,6 +215,8 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured
     """The report of one device's step: the peak's pieces (formulas), the peak at the batch
     with its breakdown, module rows and, on CUDA, the allocator's view."""
     target, batch, seq = common["target"], common["batch"], common["seq"]
+    # the allocator's replay (seconds for a long generate()) beside what follows, in a forked process
+    replay = cuda.predict_started(at_batch, batch, target) if target.is_cuda else None
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.workspaces_held(timeline, target))
     candidates = timeline.candidates()
@@ -224,7 +226,8 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured
     formulas = timeline if not captured.separate else at_batch  # in b (and s) where the formula holds
     live = formulas.ops[peak_index].live_at(peak_k) if formulas.ops else formulas.baseline
     breakdown = {c: v(batch, seq) if v.has_s else v(batch) for c, v in zip(CATEGORIES, live)}
-    on_device = cuda.predict(at_batch, batch, target) if target.is_cuda else None
+    modules = _module_rows(model, at_batch, peak_index)
+    on_device = replay() if replay is not None else None
     return Report(
         **common,
         peak_bytes=sum(breakdown.values()) if on_device is None else on_device.allocated,
@@ -232,7 +235,7 @@ def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured
         breakdown=breakdown,
         breakdown_formula=dict(zip(CATEGORIES, live)),
         peak_piece=Piece.at(formulas, peak_index, peak_k, fixed),
-        modules=_module_rows(model, at_batch, peak_index),
+        modules=modules,
         timeline=timeline,
         cuda=on_device,
     )

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from estimator.vocab import progress
+
 T = TypeVar("T")
 
 
@@ -37,7 +39,7 @@ def started(work: Callable[[], T]) -> Callable[[], T]:
     or cannot run, ``work()`` runs in this process when the result is asked for: it raises here
     as it would have.  ``work`` must leave this process's state alone (the child's changes are
     lost) and only compute: no threads, no torch kernels (fork copies neither the OpenMP threads
-    nor held locks)."""
+    nor held locks).  In the child no progress bar shows (``progress.task`` is silent there)."""
     if not can_fork():
         return work
     read, write = os.pipe()
@@ -47,7 +49,8 @@ def started(work: Callable[[], T]) -> Callable[[], T]:
         try:
             os.close(read)
             gc.disable()  # a collection would walk (and copy) every object the parent had
-            data = pickle.dumps(work(), protocol=pickle.HIGHEST_PROTOCOL)
+            with progress.reporting(None):  # the parent's bars are the parent's
+                data = pickle.dumps(work(), protocol=pickle.HIGHEST_PROTOCOL)
             with os.fdopen(write, "wb") as out:
                 out.write(data)
             code = 0
