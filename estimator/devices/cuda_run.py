@@ -42,6 +42,7 @@ update, not all at the start of ``step()``.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -233,8 +234,11 @@ class _Plan:
         self.born: dict[int, list[tuple[Hashable, int]]] = {}
         self.survivors: list[int] = []
         load, setup, self.batch = [], [], []
-        first_backward = next((i for i, op in enumerate(timeline.ops) if op.phase is Phase.BACKWARD), None)
-        first_optimizer = next((i for i, op in enumerate(timeline.ops) if op.phase is Phase.OPTIMIZER), None)
+
+        @functools.cache
+        def first(phase: Phase) -> int | None:  # (asked only for state born there: not by a long generate())
+            return next((i for i, op in enumerate(timeline.ops) if op.phase is phase), None)
+
         starts = timeline.marks.optimizer_starts
         for k, ((_, category, op, freed), born) in enumerate(zip(storages, births)):
             if freed is not None:
@@ -252,7 +256,7 @@ class _Plan:
             else:
                 at = starts[born.order] if born.when is Birth.OPTIMIZER and born.order < len(starts) else None
                 if at is None:
-                    at = first_backward if born.when is Birth.BACKWARD else first_optimizer
+                    at = first(Phase.BACKWARD if born.when is Birth.BACKWARD else Phase.OPTIMIZER)
                 self.born.setdefault(0 if at is None else at, []).append((k, self.sizes[k]))
         self.loaded = [k for _, k in sorted(load)] + setup
         for n, (at, nbytes) in enumerate(workspaces):
