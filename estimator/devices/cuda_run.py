@@ -55,7 +55,7 @@ from estimator.vocab.categories import Birth, Category, Phase
 MAX_STEPS = 16  # steps replayed at most
 CHUNK = 1 << 16  # the ops a progress bar moves by
 STABLE = 4  # ... or until the figures have not changed for this many steps (a layout that drifts slowly)
-FORK_OPS = 1 << 17  # the events from which the step's replay is worth a forked process (~0.5 s a walk)
+FORK_OPS = 1 << 17  # events (or a timeline's ops: cuda.predict_started) from which a forked process pays
 
 
 @dataclass(frozen=True)
