@@ -12,6 +12,7 @@ import gc
 import os
 import pickle
 import sys
+import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -43,7 +44,9 @@ def started(work: Callable[[], T]) -> Callable[[], T]:
     if not can_fork():
         return work
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: the child takes no lock
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # the child: the work, its pickled result, and out without running any exit handler
         code = 1
         try:
