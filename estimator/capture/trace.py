@@ -169,23 +169,10 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
     if spec.mode is Mode.GENERATE and not (policy.needs_probe or policy.observed or policy.values):
         stopped, after_topk = GENERATE_READS, False
     else:
-        ran = False  # whether the probe ran
-        if policy.needs_probe:
-            try:
-                spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
-                ran = True
-            except InputError:  # the weights are on the meta device: the sample's own values may fix every size
-                spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
-        try:
-            raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
-            # started at a bound another rank's capture found (``path.Formula.bound``): as ``_routed`` returns it
-            return dataclasses.replace(raw, reads_values=raw.reads_values or ran or policy.routed_bound)
-        except datadep.NeedsProbe as exc:
-            if spec.data_dependent.observed or spec.data_dependent.values:
-                raise _unreached(exc, spec.data_dependent, spec) from None
-            # what the rest needs of the stopped capture, outside this block: its frames, and all they
-            # hold, go with the exception before the next capture runs
-            stopped, after_topk = _at(exc), exc.after_topk
+        tried = _tried(model, sample, probe_sample, spec, batch, symbolic, seq_dims)
+        if isinstance(tried, RawCapture):
+            return tried
+        stopped, after_topk, spec = tried
     try:
         probed = _probed(model, probe_sample, spec)
     except InputError:
@@ -203,6 +190,30 @@ def _capture_probed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, s
         return dataclasses.replace(raw, reads_values=True)
     except datadep.NeedsProbe as exc:
         raise _unreached(exc, probed, spec) from None
+
+
+def _tried(model: nn.Module, sample: Any, probe_sample: Any, spec: StepSpec, batch: int, symbolic: bool,
+           seq_dims) -> RawCapture | tuple[str, bool, StepSpec]:
+    """The capture with the values the policy gives (the probe's first where it says ``"sample"``),
+    or, where it stopped at a value only a real run gives, where, whether after a router's
+    ``torch.topk``, and the spec it ran (``unprobed`` where the probe could not run): its frames,
+    and all they hold, go with the exception before the next capture runs."""
+    policy = spec.data_dependent
+    ran = False  # whether the probe ran
+    if policy.needs_probe:
+        try:
+            spec = dataclasses.replace(spec, data_dependent=_probed(model, probe_sample, spec))
+            ran = True
+        except InputError:  # the weights are on the meta device: the sample's own values may fix every size
+            spec = dataclasses.replace(spec, data_dependent=dataclasses.replace(policy, unprobed=True))
+    try:
+        raw = _capture(model, sample, spec, batch, symbolic, seq_dims)
+        # started at a bound another rank's capture found (``path.Formula.bound``): as ``_routed`` returns it
+        return dataclasses.replace(raw, reads_values=raw.reads_values or ran or policy.routed_bound)
+    except datadep.NeedsProbe as exc:
+        if spec.data_dependent.observed or spec.data_dependent.values:
+            raise _unreached(exc, spec.data_dependent, spec) from None
+        return _at(exc), exc.after_topk, spec
 
 
 def _routed(model: nn.Module, sample: Any, spec: StepSpec, batch: int, symbolic: bool, seq_dims) -> RawCapture | None:
