@@ -38,7 +38,7 @@ from estimator.reporting.depth import DepthFormula, DepthPiece
 from estimator.reporting.result import CapturePath
 from estimator.vocab.categories import Mode
 from estimator.vocab.errors import CaptureError, InputError
-from estimator.vocab.symbolic import Poly
+from estimator.vocab.symbolic import Poly, undominated
 
 UNITS_FROM = repeated_blocks.UNITS + 1  # one built unit at least: its first and last copy
 
@@ -143,11 +143,6 @@ def _nondominated(lines: list[tuple[Poly, Poly]], b_lo: int, s_lo: int) -> list[
     """The lines ``fixed + u * per_unit`` that can be the largest somewhere with ``u >= UNITS_FROM``,
     ``b >= b_lo`` (and ``s >= s_lo``): coefficient-wise dominance at the domain's corner and of the
     slope, which keeps every line that can be the maximum (and possibly a few that cannot)."""
-    corner = [((fixed + per_unit * UNITS_FROM).shifted(b_lo, s_lo), per_unit.shifted(b_lo, s_lo), n)
-              for n, (fixed, per_unit) in enumerate(lines)]
-    corner.sort(key=lambda t: (-t[0](0, 0), -t[1](0, 0)))  # a line is only dominated by one as large there
-    keep: list[tuple[Poly, Poly, int]] = []
-    for at, slope, n in corner:
-        if not any(a.dominates(at) and s.dominates(slope) for a, s, _ in keep):
-            keep.append((at, slope, n))
-    return [lines[n] for _, _, n in sorted(keep, key=lambda t: t[2])]
+    corner = [((fixed + per_unit * UNITS_FROM).shifted(b_lo, s_lo), per_unit.shifted(b_lo, s_lo))
+              for fixed, per_unit in lines]
+    return [lines[n] for n in undominated(corner)]

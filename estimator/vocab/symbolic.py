@@ -288,14 +288,20 @@ def nondominated(polys: Iterable[Poly], lo: int, hi: int | None, s_lo: int = 0) 
     for i, p in enumerate(polys):
         best.setdefault(p, i)
     unique = list(best.items())
-    # Largest first at the domain's corner: a piece can only be dominated by one at least as
-    # large there, and dominance is transitive, so comparing with the kept pieces suffices.
-    shifted = sorted(((p.shifted(lo, s_lo), i) for p, i in unique), key=lambda t: -t[0](0, 0))
-    keep: list[tuple[Poly, int]] = []
-    for p, i in shifted:
-        if not any(q.dominates(p) for q, _ in keep):
-            keep.append((p, i))
-    return sorted(i for _, i in keep)
+    kept = undominated([(p.shifted(lo, s_lo),) for p, _ in unique])
+    return sorted(unique[n][1] for n in kept)
+
+
+def undominated(pieces: Sequence[tuple[Poly, ...]]) -> list[int]:
+    """Indices (ascending) of the tuples of polynomials in ``x, y >= 0`` that no other tuple
+    dominates coefficient-wise in every component (``Poly.dominates``), the first of equal ones.
+    Largest first at ``x = y = 0``: a tuple can only be dominated by one at least as large there,
+    and dominance is transitive, so comparing with the kept tuples suffices."""
+    keep: list[int] = []
+    for n in sorted(range(len(pieces)), key=lambda n: tuple(-p(0, 0) for p in pieces[n])):
+        if not any(all(q.dominates(p) for q, p in zip(pieces[k], pieces[n])) for k in keep):
+            keep.append(n)
+    return sorted(keep)
 
 
 def _upper_envelope(candidates: list[tuple[int, int, int]], lo: int, hi: int | None) -> list[int]:
