@@ -695,8 +695,10 @@ def _user_warm_up(fmodel: nn.Module, fsample, spec: StepSpec, memo: dict, real: 
             corrections.apply_optimizer_rules(spec.target, optimizer)
         constructed = {id(p) for optimizer in optimizers for p, values in optimizer.state.items() if values}
         # generate(): a prefill-only call makes what a model makes once (the cache is made per
-        # call); the full call would double the capture's cost for nothing
-        first = dataclasses.replace(fn, new_tokens=1) if isinstance(fn, steps.Generation) else fn
+        # call); the full call would double the capture's cost for nothing.  Its loop is left
+        # after the prefill without reading whether every sequence has finished: that read would
+        # take the probe's values, which go on for the captured run's calls
+        first = dataclasses.replace(fn, new_tokens=1, stop_after=1) if isinstance(fn, steps.Generation) else fn
         with checkpointing(fmodel, spec.strategy):
             result = first(fmodel, fsample, user_state)
         del result
