@@ -226,10 +226,11 @@ class _Plan:
 
     def __init__(self, timeline: Timeline, b: int, workspaces: list[tuple[int, int]]) -> None:
         storages = timeline.storages
-        self.sizes = {k: nbytes(b) for k, (nbytes, *_) in enumerate(storages)}
+        self.sizes = sizes = [nbytes(b) for nbytes, *_ in storages]  # by storage
         births = timeline.births or (None,) * len(storages)  # unknown: state loaded first, in storage order
         allocs: dict[int, list[int]] = {}
         self.frees: dict[int, list[int]] = {}
+        made, freeing = allocs.setdefault, self.frees.setdefault  # (a long generate(): a million storages)
         scratch = {i: max(s(b) for s in op.scratch) for i, op in enumerate(timeline.ops) if op.scratch}
         self.born: dict[int, list[tuple[Hashable, int]]] = {}
         self.survivors: list[int] = []
@@ -242,9 +243,9 @@ class _Plan:
         starts = timeline.marks.optimizer_starts
         for k, ((_, category, op, freed), born) in enumerate(zip(storages, births)):
             if freed is not None:
-                self.frees.setdefault(freed, []).append(k)
+                freeing(freed, []).append(k)
             if op >= 0:
-                allocs.setdefault(op, []).append(k)
+                made(op, []).append(k)
                 if freed is None:
                     self.survivors.append(k)
             elif born is None or born.when is Birth.LOAD:
@@ -270,12 +271,13 @@ class _Plan:
         busy = {*allocs, *self.frees, *self.born, *(i for i, x in scratch.items() if x), n}
         if self.returns is not None:
             busy.add(self.returns)
-        self.program = [(i, tuple((k, self.sizes[k]) for k in allocs.get(i, ())), scratch.get(i, 0),
-                         ops[i].stream if i < n else 0, tuple(self.frees.get(i, ())))
+        nothing, frees = (), self.frees
+        self.program = [(i, tuple([(k, sizes[k]) for k in allocs[i]]) if i in allocs else nothing, scratch.get(i, 0),
+                         ops[i].stream if i < n else 0, tuple(frees[i]) if i in frees else nothing)
                         for i in sorted(busy) if 0 <= i <= n]
 
 
-def _replaced(timeline: Timeline, survivors: list[int], sizes: dict[int, int]) -> dict[int, int]:
+def _replaced(timeline: Timeline, survivors: list[int], sizes: list[int]) -> dict[int, int]:
     """Storages the step makes that outlive it, paired with the state alive before it that the
     step frees (an optimizer that replaces its state, a step that rebinds a buffer): the same
     category, parameter and size.  Inputs are a new batch every step, not paired."""
