@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from estimator.capture.records import Decoding, RawCapture, RunMarks
 from estimator.vocab import progress
@@ -23,12 +24,10 @@ CATEGORIES = tuple(Category)
 _INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 _TEMP = _INDEX[Category.TEMPORARY]
 Vector = tuple[Poly, ...]  # bytes per category, in CATEGORIES order
+_tuple = tuple.__new__  # an OpMemory made without its __new__'s checks (accounting: every op)
 
 
-@dataclass(frozen=True, slots=True)
-class OpMemory:
-    """Memory at one op of the step."""
-
+class _OpFields(NamedTuple):
     index: int
     op: str  # aten overload
     node: str | None  # fx node name
@@ -41,9 +40,18 @@ class OpMemory:
     owner: str | None = None  # optimizer phase: the parameter this op updates (None: several, or none)
     stream: int = 0  # the stream it runs on, which its outputs and scratch are allocated on (0: the default)
 
-    def __post_init__(self) -> None:
-        if self.total is None:
-            object.__setattr__(self, "total", _sum(self.live))
+
+class OpMemory(_OpFields):
+    """Memory at one op of the step (immutable).  A named tuple rather than a dataclass: a long
+    ``generate()`` makes one per op, over a million, and a tuple is made three times faster."""
+
+    __slots__ = ()
+
+    def __new__(cls, index: int, op: str, node: str | None, phase: Phase, module: str, live: Vector,
+                allocated: Vector, scratch: tuple[Poly, ...] = (), total: Poly | None = None,
+                owner: str | None = None, stream: int = 0) -> OpMemory:
+        return _tuple(cls, (index, op, node, phase, module, live, allocated, scratch,
+                            _sum(live) if total is None else total, owner, stream))
 
     def peaks(self) -> list[Poly]:
         """The candidate peaks of this op: ``total`` and ``total + s`` for each scratch value."""
@@ -135,7 +143,7 @@ class Timeline:
         def up(op: OpMemory) -> OpMemory:
             live = list(op.live)
             live[_TEMP] += extra
-            return dataclasses.replace(op, live=tuple(live), total=op.total + extra)
+            return op._replace(live=tuple(live), total=op.total + extra)
 
         return dataclasses.replace(self, ops=tuple(map(up, self.ops)))
 
@@ -171,18 +179,39 @@ def account(raw: RawCapture) -> Timeline:
         return _account(raw, bar)
 
 
+def skeleton(raw: RawCapture, seq: int | None = None) -> Timeline:
+    """What an allocator replay reads of ``account(raw)`` (at ``s = seq`` where given): the
+    storages' lifetimes and each op's name, phase, scratch and stream, made in a fraction of the
+    time, so that a replay can start while the step is accounted.  No byte counts alive: the
+    baseline is empty and the ops are the raw events (``OpEvent``: the same four attributes),
+    or, where a scratch value depends on ``s``, ops with empty vectors."""
+    def at_s(p: Poly) -> Poly:
+        return p if seq is None else p.at_s(seq)
+
+    ops = raw.ops
+    if seq is not None and any(p.has_s for e in ops for p in e.scratch):
+        ops = [_tuple(OpMemory, (i, e.name, e.node, e.phase, e.module, (), (), tuple(map(at_s, e.scratch)), ZERO,
+                                 e.owner, e.stream)) for i, e in enumerate(ops)]
+    storages = tuple((at_s(nbytes), *rest) for nbytes, *rest in _lifetimes(raw))
+    return Timeline((), tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
+                    tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)
+
+
+def _lifetimes(raw: RawCapture) -> tuple[tuple[Poly, Category, int, int | None], ...]:
+    """``Timeline.storages`` of ``raw``: each storage's bytes, category, allocating op and the op it
+    is freed after (-1: state the step frees before its first op)."""
+    freed_after = {sid: i for i, event in enumerate(raw.ops) for sid in event.frees}
+    freed_after.update((sid, -1) for sid in raw.freed_first)
+    return tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
+
+
 def _account(raw: RawCapture, bar: progress.Bar) -> Timeline:
     current = [ZERO] * len(CATEGORIES)
-    freed_after: dict[int, int] = {}
-    for i, event in enumerate(raw.ops):
-        for sid in event.frees:
-            freed_after[sid] = i
     for storage in raw.storages.values():
         if storage.op < 0:
             current[_INDEX[storage.category]] += storage.nbytes
     baseline = tuple(current)
     for sid in raw.freed_first:  # state the step frees before its first op (freed "after op -1")
-        freed_after[sid] = -1
         current[_INDEX[raw.storages[sid].category]] -= raw.storages[sid].nbytes
     total = _sum(current)
 
@@ -202,8 +231,8 @@ def _account(raw: RawCapture, bar: progress.Bar) -> Timeline:
                 current[k] += storage.nbytes
                 total += storage.nbytes
             allocated, live = tuple(made), tuple(current)
-        ops.append(OpMemory(i, event.name, event.node, event.phase, event.module, live, allocated, event.scratch, total,
-                            event.owner, event.stream))
+        ops.append(_tuple(OpMemory, (i, event.name, event.node, event.phase, event.module, live, allocated,
+                                     event.scratch, total, event.owner, event.stream)))
         for sid in event.frees:
             storage = raw.storages[sid]
             current[_INDEX[storage.category]] -= storage.nbytes
@@ -212,8 +241,7 @@ def _account(raw: RawCapture, bar: progress.Bar) -> Timeline:
             live = tuple(current)
 
     bar.update(len(raw.ops) % CHUNK)
-    storages = tuple((s.nbytes, s.category, s.op, freed_after.get(sid)) for sid, s in raw.storages.items())
-    return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
+    return Timeline(baseline, tuple(ops), _lifetimes(raw), tuple(s.owner for s in raw.storages.values()), raw.grad_order,
                     tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)
 
 

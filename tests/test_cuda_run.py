@@ -148,7 +148,8 @@ def test_replay_both_is_the_two_replays(forked, monkeypatch):
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     rep = estimator.report(model, torch.randn(8, 256), device="cuda")
     timeline = rep.timeline
-    assert rep.cuda == cuda.predict(timeline, 8, rep.target) == cuda.predict_started(timeline, 8, rep.target)()
+    assert rep.cuda == cuda.predict(timeline, 8, rep.target) == cuda.predict_started(
+        lambda: timeline, len(timeline.ops), 8, rep.target)()
     for cfg in (AllocatorConfig(), AllocatorConfig.parse("expandable_segments:True")):
         workspaces = [(0, 8 * 2**20)]
         run, step = replay_both(timeline, 8, cfg, workspaces, device_total=80 * 2**30)
@@ -170,3 +171,38 @@ def _outcome(replay):
         return replay()
     except OutOfMemory as exc:
         return str(exc)
+
+
+@pytest.mark.parametrize("forked", [False, True])
+def test_a_long_replay_starts_before_the_accounting(forked, monkeypatch):
+    """A long replay starts from the raw capture, beside its accounting (``estimate._replay_started``,
+    ``account.skeleton``): with ``s`` a symbol too, the figures are the replay of the report's own
+    timeline at the batch and the sample's ``s``, as when started after it."""
+    from estimator.account import account, skeleton
+    from estimator.devices import cuda, cuda_run
+    from estimator.orchestrate import estimate
+    from estimator.vocab import forked as forking
+
+    if forked:
+        monkeypatch.setattr(cuda_run, "FORK_OPS", 0)
+        monkeypatch.setattr(cuda, "FORK_OPS", 0)
+    started, raws = [], []
+    real = estimate._replay_started
+
+    def spy(checked, early, raw, seq):
+        real(checked, early, raw, seq)
+        started.append(len(early))
+        raws.append((raw, seq))
+
+    monkeypatch.setattr(estimate, "_replay_started", spy)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    tokens = torch.randint(0, 100, (4, 24))
+    rep = estimator.report(model, tokens, batch=6, device="cuda", gpu="H100", dynamic={1: "s"})
+    assert rep.seq == 24 and started == [int(forked and forking.can_fork())]
+    (raw, seq), = raws
+    at_batch = account(raw).at_s(seq)
+    assert rep.cuda == cuda.predict(at_batch, 6, rep.target) == cuda.predict(skeleton(raw, seq), 6, rep.target)
+    bare = skeleton(raw, seq)  # what a replay reads, as the accounted timeline has it
+    assert bare.storages == at_batch.storages and bare.births == at_batch.births and bare.owners == at_batch.owners
+    assert [(o.op, o.phase, o.scratch, o.stream) for o in bare.ops] == [
+        (o.op, o.phase, o.scratch, o.stream) for o in at_batch.ops]

@@ -172,7 +172,7 @@ def test_the_cuda_target_replays_fsdp2s_side_streams():
     # each Linear's all-gather output: 2 ranks x 125 rows (250 over 2) x 251 (250 weights and the
     # bias) x 4 B; its sharded gradients: the rank's 125 rows x 251 x 4 B
     assert made == {next(iter(copy_in)): {2 * 125 * 251 * F32}, next(iter(scatter)): {125 * 251 * F32}}
-    one_stream = dataclasses.replace(timeline, ops=tuple(dataclasses.replace(o, stream=0) for o in timeline.ops))
+    one_stream = dataclasses.replace(timeline, ops=tuple(o._replace(stream=0) for o in timeline.ops))
     MiB = 2**20
     assert [replay_run(t, 4, AllocatorConfig(), []).stats.peak_reserved for t in (timeline, one_stream)] == [
         3 * 2 * MiB, 2 * 2 * MiB]

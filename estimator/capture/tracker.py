@@ -67,6 +67,11 @@ class OpEvent:
     takes: tuple[int, ...] = ()
     stream: int = 0  # the stream it runs on, which its outputs and scratch are allocated on (0: the default)
 
+    @property
+    def op(self) -> str:
+        """``name``, as ``account.OpMemory`` calls it (``account.skeleton``'s ops are these events)."""
+        return self.name
+
 
 RESIZE = "storage.resize_"  # the op of a storage's ``resize_()`` (``Tracker.resized``)
 _RUN_AND_SAVE_RNG_STATE = torch.ops.higher_order.run_and_save_rng_state

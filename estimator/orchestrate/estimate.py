@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from estimator.account import CATEGORIES, Timeline
+from estimator.account import CATEGORIES, Timeline, skeleton
 from estimator.capture import steps, world
+from estimator.capture.records import RawCapture
 from estimator.devices import cuda, cudnn
+from estimator.devices.cuda import CudaMemory
 from estimator.orchestrate import depth_formula, dtype_formula, reuse
 from estimator.orchestrate import path as capture_path
 from estimator.orchestrate.checked import Checked, check
@@ -26,7 +29,7 @@ from estimator.orchestrate.path import Captured, Formula
 from estimator.orchestrate.workers import capture_each
 from estimator.ranks.per_rank import per_rank
 from estimator.reporting.result import Generated, ModuleRow, Piece, RankReport, Report
-from estimator.vocab import gpus, progress
+from estimator.vocab import forked, gpus, progress
 from estimator.vocab.bookkeeping import collector_paused
 from estimator.vocab.categories import Category, Mode, Phase
 from estimator.vocab.data_dependent import Policy, Source
@@ -77,7 +80,8 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
 
 def _report(checked: Checked, formula: Formula | None = None) -> Report:
     """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
-    captured = capture_step(checked, formula)
+    early: list[Callable[[], CudaMemory]] = []  # the allocator's replay, where started before the accounting
+    captured = capture_step(checked, formula, functools.partial(_replay_started, checked, early))
     # the other roles run the same code: where this one had to take its routers' bound, they start there
     start = checked if captured.bound is None else checked.with_policy(captured.bound)
     steps = {ranks: captured for ranks in captured.roles if checked.spec.rank in ranks}
@@ -94,17 +98,34 @@ def _report(checked: Checked, formula: Formula | None = None) -> Report:
                 else:
                     pending.append(part)
     roles = tuple(sorted(steps))
-    return result(checked, dataclasses.replace(captured, roles=roles), steps)
+    return result(checked, dataclasses.replace(captured, roles=roles), steps, early[0] if early else None)
+
+
+def _replay_started(checked: Checked, early: list, raw: RawCapture, seq: int | None) -> None:
+    """Where the report's CUDA allocator replay will be long (a long ``generate()``), start it
+    from the raw capture (``account.skeleton``), so that it runs beside the accounting, and add
+    it to ``early``: where the timeline at the batch will be this capture's (one device, one
+    micro-batch, the batch inside the capture's range)."""
+    spec, batch = checked.spec, checked.batch
+    if (spec.target.is_cuda and not checked.strategy.distributed and checked.microbatches == 1
+            and len(raw.ops) >= cuda.FORK_OPS and forked.can_fork()
+            and raw.valid_from <= batch and (raw.valid_to is None or batch <= raw.valid_to)):
+        early.append(cuda.predict_started(lambda: skeleton(raw, seq), len(raw.ops), batch, spec.target))
 
 
 @collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it
-def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...], Captured] | None = None) -> Report:
+def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...], Captured] | None = None,
+           replay: Callable[[], CudaMemory] | None = None) -> Report:
     """The report of the request ``checked`` from its captured step: one device's, or every
-    rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks)."""
+    rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks);
+    ``replay``: one device's allocator replay, where started already (``_replay_started``)."""
     spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch
     if batch % captured.multiple:
         raise InputError(f"your pipeline schedule splits the batch into {captured.multiple} micro-batches: the batch "
                          f"must be a multiple of {captured.multiple}, got {batch}")
+    # the allocator's replay (seconds for a long generate()) beside what follows, in a forked process
+    if replay is None and spec.target.is_cuda and not strategy.distributed:
+        replay = cuda.predict_started(lambda: captured.at_batch, len(captured.at_batch.ops), batch, spec.target)
     notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
         ran = {op.op for op in captured.timeline.ops} | {site.op for site in captured.data_dependent}
@@ -145,7 +166,8 @@ def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...],
         common["generation"] = _generated(spec.step, captured.at_batch or captured.timeline, batch, prompt)
         notes.append(_generated_note(common["generation"], batch))
     if not strategy.distributed:
-        rep = _assemble(model, captured.timeline, captured.at_batch, captured, {**common, "notes": tuple(notes)})
+        rep = _assemble(model, captured.timeline, captured.at_batch, captured, {**common, "notes": tuple(notes)},
+                        replay)
         return rep if rep.cuda is None else dataclasses.replace(rep, notes=(*rep.notes, cuda.run_note(rep.cuda)))
 
     def at(poly: Poly) -> int:  # bytes at the report's batch and sequence length
@@ -192,31 +214,34 @@ def _with_sample_sizes(checked: Checked, rep: Report) -> Report:
     return dataclasses.replace(rep, at_sample=at_sample)
 
 
-def capture_formula(checked: Checked) -> Formula:
+def capture_formula(checked: Checked, started: capture_path.Started | None = None) -> Formula:
     """The request's single-device step as formulas (``orchestrate.path.formula``: symbolic, ``b``
     alone, or concrete fits), or the one kept from an earlier capture of the same step
-    (``orchestrate.reuse``)."""
+    (``orchestrate.reuse``); ``started``: as ``orchestrate.path.formula`` takes it."""
     key, hint, formula = reuse.lookup(checked)
     if formula is None:
-        formula = capture_path.formula_of(checked)
+        formula = capture_path.formula_of(checked, started)
         reuse.keep(key, hint, formula)
     return formula
 
 
-def capture_step(checked: Checked, formula: Formula | None = None) -> Captured:
-    """The captured step of ``checked`` (``formula``: its capture, when shared) at the request's
-    batch (``orchestrate.path.at_batch``)."""
-    formula = formula or capture_formula(checked)
+def capture_step(checked: Checked, formula: Formula | None = None,
+                 started: capture_path.Started | None = None) -> Captured:
+    """The captured step of ``checked`` (``formula``: its capture, when shared; ``started``: as
+    ``capture_formula`` takes it) at the request's batch (``orchestrate.path.at_batch``)."""
+    formula = formula or capture_formula(checked, started)
     return capture_path.at_batch(checked.model, checked.sample, checked.capture_spec, checked.batch,
                                  checked.microbatches, formula)
 
 
-def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured: Captured, common: dict) -> Report:
+def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured: Captured, common: dict,
+              replay: Callable[[], CudaMemory] | None = None) -> Report:
     """The report of one device's step: the peak's pieces (formulas), the peak at the batch
-    with its breakdown, module rows and, on CUDA, the allocator's view."""
+    with its breakdown, module rows and, on CUDA, the allocator's view (``replay``: its result,
+    where started already, ``cuda.predict_started``)."""
     target, batch, seq = common["target"], common["batch"], common["seq"]
-    # the allocator's replay (seconds for a long generate()) beside what follows, in a forked process
-    replay = cuda.predict_started(at_batch, batch, target) if target.is_cuda else None
+    if replay is None and target.is_cuda:  # beside what follows (seconds for a long generate())
+        replay = cuda.predict_started(lambda: at_batch, len(at_batch.ops), batch, target)
     # Bytes held outside the captured tensors at every op (CUDA: the cuBLAS workspaces).
     fixed = Poly.const(cuda.workspaces_held(timeline, target))
     candidates = timeline.candidates()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from estimator.account import CATEGORIES, Timeline, account, fit_timelines
 from estimator.capture import compiled
-from estimator.capture.records import StepSpec
+from estimator.capture.records import RawCapture, StepSpec
 from estimator.capture.trace import capture
 from estimator.ranks.per_rank import RankStep
 from estimator.reporting.result import CapturePath
@@ -74,16 +74,21 @@ def hint_of(batch: int, microbatches: int, seq: int | None) -> int:
     return hint + 1 if hint == seq else hint  # equal hints would make b and s one symbol (duck sizing)
 
 
-def formula_of(checked: Checked) -> Formula:
+Started = Callable[[RawCapture, "int | None"], None]  # a symbolic capture and its s, before it is accounted
+
+
+def formula_of(checked: Checked, started: Started | None = None) -> Formula:
     """``formula`` of a checked request's single-device step (``Checked.capture_spec``)."""
     return formula(checked.model, checked.sample, checked.capture_spec, checked.batch, checked.microbatches,
-                   checked.seq_dims, checked.seq)
+                   checked.seq_dims, checked.seq, started)
 
 
 def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatches: int,
-            seq_dims: dict[int, tuple[int, ...]] | None, seq: int | None) -> Formula:
+            seq_dims: dict[int, tuple[int, ...]] | None, seq: int | None, started: Started | None = None) -> Formula:
     """Capture the step symbolically (b, and s when ``seq_dims``), falling back to b alone and
-    then to fitted concrete captures, hinted at the batch of one micro-batch."""
+    then to fitted concrete captures, hinted at the batch of one micro-batch.  ``started``: called
+    with a symbolic capture whose timeline the formula will be (no compiled program of its own)
+    and the s it holds at, before the capture is accounted (what it starts runs beside that)."""
     notes: list[str] = []
     hint = hint_of(batch, microbatches, seq)
     graph, seq_range = None, None
@@ -99,6 +104,8 @@ def formula(model: nn.Module, sample: Any, spec: StepSpec, batch: int, microbatc
             notes.append(f"the sequence length could not stay a symbol ({exc}): the formulas are for s = {seq}")
             seq = None
             raw = capture(model, sample, spec, hint, symbolic=True)
+        if started is not None and spec.compiled is None and not raw.symbolic_regions:
+            started(raw, seq)
         if raw.bound is not None:
             spec = dataclasses.replace(spec, data_dependent=raw.bound)
         timeline, path, seq_range = account(raw), CapturePath.SYMBOLIC, raw.seq_range
