@@ -192,8 +192,12 @@ def skeleton(raw: RawCapture, seq: int | None = None) -> Timeline:
     if seq is not None and any(p.has_s for e in ops for p in e.scratch):
         ops = [_tuple(OpMemory, (i, e.name, e.node, e.phase, e.module, (), (), tuple(map(at_s, e.scratch)), ZERO,
                                  e.owner, e.stream)) for i, e in enumerate(ops)]
-    storages = tuple((at_s(nbytes), *rest) for nbytes, *rest in _lifetimes(raw))
-    return Timeline((), tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
+    return _timeline(raw, (), ops, tuple((at_s(nbytes), *rest) for nbytes, *rest in _lifetimes(raw)))
+
+
+def _timeline(raw: RawCapture, baseline: Vector, ops, storages) -> Timeline:
+    """The timeline of ``raw`` with these bytes alive before the step, ops and storages."""
+    return Timeline(baseline, tuple(ops), storages, tuple(s.owner for s in raw.storages.values()), raw.grad_order,
                     tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)
 
 
@@ -241,8 +245,7 @@ def _account(raw: RawCapture, bar: progress.Bar) -> Timeline:
             live = tuple(current)
 
     bar.update(len(raw.ops) % CHUNK)
-    return Timeline(baseline, tuple(ops), _lifetimes(raw), tuple(s.owner for s in raw.storages.values()), raw.grad_order,
-                    tuple(s.born for s in raw.storages.values()), raw.marks, raw.decoding, raw.managed)
+    return _timeline(raw, baseline, ops, _lifetimes(raw))
 
 
 def fit_timelines(batches: Sequence[int], timelines: Sequence[Timeline], exact: bool = True) -> Timeline:
