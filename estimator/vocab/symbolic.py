@@ -67,7 +67,7 @@ class Poly:
         a, c = self.coeffs, other.coeffs
         if len(a) == 2 == len(c) and not (self.mixed or other.mixed):  # the most common case, inline (accounting)
             low, high = a[0] + c[0], a[1] + c[1]
-            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
+            return _line(low, high)
         return self._plus(other, 1)
 
     def __neg__(self) -> Poly:
@@ -77,7 +77,7 @@ class Poly:
         a, c = self.coeffs, other.coeffs
         if len(a) == 2 == len(c) and not (self.mixed or other.mixed):  # as in __add__
             low, high = a[0] - c[0], a[1] - c[1]
-            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
+            return _line(low, high)
         return self._plus(other, -1)
 
     def _plus(self, other: Poly, sign: int) -> Poly:
@@ -87,7 +87,7 @@ class Poly:
         if n < 3 and m < 3 and not (self.mixed or other.mixed):  # the common case: byte counts c0 + c1*b
             low = (a[0] if n else 0) + sign * (c[0] if m else 0)
             high = (a[1] if n == 2 else 0) + sign * (c[1] if m == 2 else 0)
-            return Poly((low, high)) if high else Poly((low,)) if low else ZERO
+            return _line(low, high)
         if len(a) == len(c):  # no padding, no index tests
             coeffs = tuple(map(operator.add if sign == 1 else operator.sub, a, c))
         else:
@@ -183,6 +183,18 @@ class Poly:
 
 
 ZERO = Poly()
+_NEW, _SET_COEFFS, _SET_MIXED = object.__new__, Poly.coeffs.__set__, Poly.mixed.__set__
+
+
+def _line(low: int, high: int) -> Poly:
+    """``low + high*b`` (trimmed), made without the dataclass's ``__init__``: a long ``generate()``'s
+    accounting makes millions (40 % faster)."""
+    if not high:
+        return Poly((low,)) if low else ZERO
+    p = _NEW(Poly)
+    _SET_COEFFS(p, (low, high))
+    _SET_MIXED(p, ())
+    return p
 
 
 def _trim(coeffs: tuple[int, ...]) -> Poly:
