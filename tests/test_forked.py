@@ -44,3 +44,21 @@ def test_a_result_that_does_not_pickle_is_made_here():
         return lambda: os.getpid()  # a closure: pickle refuses it
 
     assert forked.started(work)()() == os.getpid()
+
+
+def test_a_cancelled_child_is_stopped_and_reaped():
+    def work():
+        import time
+
+        time.sleep(60)  # never finishes on its own within the test
+        return 1
+
+    child = forked.started(work)
+    pid = child.pid
+    assert (pid is not None) == forked.can_fork()
+    child.cancel()  # at once: killed and waited for (no zombie), the pipe closed
+    child.cancel()  # twice: nothing left to do
+    assert child.pid is None
+    if pid is not None:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped already

@@ -122,7 +122,7 @@ def predict(timeline: Timeline, b: int, spec: TargetSpec, capacity: int | None =
                       run.carried, timeline.managed)
 
 
-def predict_started(timeline: Callable[[], Timeline], ops: int, b: int, spec: TargetSpec) -> Callable[[], CudaMemory]:
+def predict_started(timeline: Callable[[], Timeline], ops: int, b: int, spec: TargetSpec) -> forked.Started[CudaMemory]:
     """``predict`` of ``timeline()`` (a timeline of ``ops`` ops, or one made in the process that
     replays it: ``account.skeleton``), started in a forked process where the timeline is long
     (``cuda_run.FORK_OPS`` ops: a long ``generate()``), so that what the caller computes before
@@ -130,7 +130,7 @@ def predict_started(timeline: Callable[[], Timeline], ops: int, b: int, spec: Ta
     def work() -> CudaMemory:
         return predict(timeline(), b, spec)
 
-    return forked.started(work) if ops >= FORK_OPS else work
+    return forked.started(work) if ops >= FORK_OPS else forked.Started(work)
 
 
 def not_modelled_note(ran=None) -> str:

@@ -112,6 +112,9 @@ def replay_both(timeline: Timeline, b: int, cfg: AllocatorConfig, workspaces: li
         except OutOfMemory:
             step()  # the step's own, first
             raise
+        except BaseException:
+            step.cancel()
+            raise
         return ran, step()
 
 

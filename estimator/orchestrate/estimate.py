@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -80,8 +80,18 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
 
 def _report(checked: Checked, formula: Formula | None = None) -> Report:
     """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
-    early: list[Callable[[], CudaMemory]] = []  # the allocator's replay, where started before the accounting
-    captured = capture_step(checked, formula, functools.partial(_replay_started, checked, early))
+    early: list[forked.Started[CudaMemory]] = []  # the allocator's replay, where started before the accounting
+    try:
+        captured = capture_step(checked, formula, functools.partial(_replay_started, checked, early))
+        return _with_roles(checked, captured, early[0] if early else None)
+    except BaseException:  # no result will be asked for: the replay's process stopped
+        for replay in early:
+            replay.cancel()
+        raise
+
+
+def _with_roles(checked: Checked, captured: Captured, replay: forked.Started[CudaMemory] | None) -> Report:
+    """``result`` of ``captured`` with the step of one rank of each other role (a mesh's)."""
     # the other roles run the same code: where this one had to take its routers' bound, they start there
     start = checked if captured.bound is None else checked.with_policy(captured.bound)
     steps = {ranks: captured for ranks in captured.roles if checked.spec.rank in ranks}
@@ -98,7 +108,7 @@ def _report(checked: Checked, formula: Formula | None = None) -> Report:
                 else:
                     pending.append(part)
     roles = tuple(sorted(steps))
-    return result(checked, dataclasses.replace(captured, roles=roles), steps, early[0] if early else None)
+    return result(checked, dataclasses.replace(captured, roles=roles), steps, replay)
 
 
 def _replay_started(checked: Checked, early: list, raw: RawCapture, seq: int | None) -> None:
@@ -115,7 +125,7 @@ def _replay_started(checked: Checked, early: list, raw: RawCapture, seq: int | N
 
 @collector_paused()  # bookkeeping over every op of the captured step: no capture runs in it
 def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...], Captured] | None = None,
-           replay: Callable[[], CudaMemory] | None = None) -> Report:
+           replay: forked.Started[CudaMemory] | None = None) -> Report:
     """The report of the request ``checked`` from its captured step: one device's, or every
     rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks);
     ``replay``: one device's allocator replay, where started already (``_replay_started``)."""
@@ -235,7 +245,7 @@ def capture_step(checked: Checked, formula: Formula | None = None,
 
 
 def _assemble(model: nn.Module, timeline: Timeline, at_batch: Timeline, captured: Captured, common: dict,
-              replay: Callable[[], CudaMemory] | None = None) -> Report:
+              replay: forked.Started[CudaMemory] | None = None) -> Report:
     """The report of one device's step: the peak's pieces (formulas), the peak at the batch
     with its breakdown, module rows and, on CUDA, the allocator's view (``replay``: its result,
     where started already, ``cuda.predict_started``)."""

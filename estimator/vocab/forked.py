@@ -11,10 +11,11 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import signal
 import sys
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from estimator.vocab import progress
 
@@ -34,15 +35,46 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and usable_cores() > 1
 
 
-def started(work: Callable[[], T]) -> Callable[[], T]:
-    """Start ``work()`` in a forked child; the function returned waits for it and returns its
+class Started(Generic[T]):
+    """Work started by ``started``: called, its result (waited for); ``cancel()``, where the
+    result will not be asked for (the caller raises first), stops and reaps the child."""
+
+    def __init__(self, work: Callable[[], T], pid: int | None = None, read: int | None = None) -> None:
+        self._work, self._pid, self._read = work, pid, read
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id until it is waited for (None: no child, or reaped)."""
+        return self._pid
+
+    def __call__(self) -> T:
+        if self._pid is None:
+            return self._work()
+        with os.fdopen(self._read, "rb") as data:
+            sent = data.read()
+        _, status = os.waitpid(self._pid, 0)
+        self._pid = None  # (asked again: run here)
+        if status == 0 and sent:
+            return pickle.loads(sent)
+        return self._work()
+
+    def cancel(self) -> None:
+        if self._pid is not None:
+            os.kill(self._pid, signal.SIGKILL)
+            os.waitpid(self._pid, 0)
+            os.close(self._read)
+            self._pid = None
+
+
+def started(work: Callable[[], T]) -> Started[T]:
+    """Start ``work()`` in a forked child; calling what is returned waits for it and returns its
     result.  Where the child fails (an exception, a result that does not pickle, a killed child)
     or cannot run, ``work()`` runs in this process when the result is asked for: it raises here
     as it would have.  ``work`` must leave this process's state alone (the child's changes are
     lost) and only compute: no threads, no torch kernels (fork copies neither the OpenMP threads
     nor held locks).  In the child no progress bar shows (``progress.task`` is silent there)."""
     if not can_fork():
-        return work
+        return Started(work)
     read, write = os.pipe()
     with warnings.catch_warnings():  # Python 3.12+ warns of fork in a threaded process: the child takes no lock
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -60,13 +92,4 @@ def started(work: Callable[[], T]) -> Callable[[], T]:
         finally:
             os._exit(code)
     os.close(write)
-
-    def result() -> T:
-        with os.fdopen(read, "rb") as data:
-            sent = data.read()
-        _, status = os.waitpid(pid, 0)
-        if status == 0 and sent:
-            return pickle.loads(sent)
-        return work()
-
-    return result
+    return Started(work, pid, read)
