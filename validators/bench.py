@@ -386,9 +386,9 @@ def generate_markdown(found: dict) -> str:
         + " (target for 512: <= 15 s). Its 6 calls of the model run 5 of the 32 layers (the repeated blocks, "
         "`estimator/capture/repeated_blocks.py`), extended to 32 before the decode steps are built; what is left "
         "grows with the built run's ops: the decode steps' extension, the accounting and the allocator replay (three "
-        "walks of the run's allocations, in a forked process while the report is assembled, the last two side by side: "
-        "the benchmark protocol's second step in a process of its own, `estimator/vocab/forked.py`) take each op of "
-        "every built step. The replay cannot take a built step at "
+        "walks of the run's allocations, in a process forked from the raw capture while it is accounted and the report "
+        "assembled, the last two side by side: the benchmark protocol's second step in a process of its own, "
+        "`estimator/vocab/forked.py`) take each op of every built step. The replay cannot take a built step at "
         "once: the allocator's free blocks never fall into the same arrangement twice over the decode steps "
         "(measured: no two calls take the same branches), so its state is no line in the step "
         "(docs/design.md, \"Where a long generate()'s time goes\").",
