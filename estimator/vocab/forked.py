@@ -48,6 +48,7 @@ class Started(Generic[T]):
         return self._pid
 
     def __call__(self) -> T:
+        """The work's result: the child's, else (no child, a failed one, asked again) run here."""
         if self._pid is None:
             return self._work()
         with os.fdopen(self._read, "rb") as data:
@@ -59,6 +60,7 @@ class Started(Generic[T]):
         return self._work()
 
     def cancel(self) -> None:
+        """Kill the child and wait for it (nothing where there is none, or it was waited for)."""
         if self._pid is not None:
             os.kill(self._pid, signal.SIGKILL)
             os.waitpid(self._pid, 0)
