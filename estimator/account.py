@@ -185,14 +185,14 @@ def skeleton(raw: RawCapture, seq: int | None = None) -> Timeline:
     time, so that a replay can start while the step is accounted.  No byte counts alive: the
     baseline is empty and the ops are the raw events (``OpEvent``: the same four attributes),
     or, where a scratch value depends on ``s``, ops with empty vectors."""
-    def at_s(p: Poly) -> Poly:
-        return p if seq is None else p.at_s(seq)
-
     ops = raw.ops
     if seq is not None and any(p.has_s for e in ops for p in e.scratch):
-        ops = [_tuple(OpMemory, (i, e.name, e.node, e.phase, e.module, (), (), tuple(map(at_s, e.scratch)), ZERO,
-                                 e.owner, e.stream)) for i, e in enumerate(ops)]
-    return _timeline(raw, (), ops, tuple((at_s(nbytes), *rest) for nbytes, *rest in _lifetimes(raw)))
+        ops = [_tuple(OpMemory, (i, e.name, e.node, e.phase, e.module, (), (), tuple(p.at_s(seq) for p in e.scratch),
+                                 ZERO, e.owner, e.stream)) for i, e in enumerate(ops)]
+    storages = _lifetimes(raw)
+    if seq is not None:
+        storages = tuple((nbytes.at_s(seq), *rest) for nbytes, *rest in storages)
+    return _timeline(raw, (), ops, storages)
 
 
 def _timeline(raw: RawCapture, baseline: Vector, ops, storages) -> Timeline:
