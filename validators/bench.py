@@ -89,11 +89,11 @@ estimator.forget_captures()
 estimator.report(model, make_sample(batch), batch=batch, loss_fn=loss_fn, device="cpu")
 captures, current = {}, {}
 capture_formula, formula = estimate.capture_formula, path.formula
-def labelled(checked):  # the request whose step may be captured
+def labelled(checked, *rest):  # the request whose step may be captured
     optimizer = None if checked.optimizer_name == "adamw" else checked.optimizer_name
     current["label"] = (checked.strategy.describe() + (f", {optimizer}" if optimizer else "")
                         + (f", {type(checked.model).__name__}" if checked.model is not model else ""))
-    return capture_formula(checked)
+    return capture_formula(checked, *rest)
 def timed(*args):  # a capture
     t = time.perf_counter()
     out = formula(*args)
