@@ -208,9 +208,11 @@ def test_a_long_replay_starts_before_the_accounting(forked, monkeypatch):
         (o.op, o.phase, o.scratch, o.stream) for o in at_batch.ops]
 
 
-def test_a_report_that_fails_stops_its_started_replay(monkeypatch):
-    """A report that raises after its replay started (``estimate._replay_started``) leaves no
-    process behind: the replay's child is killed and reaped (``forked.Started.cancel``)."""
+@pytest.mark.parametrize("early", [True, False])
+def test_a_report_that_fails_stops_its_started_replay(early, monkeypatch):
+    """A report that raises after its replay started (before the accounting,
+    ``estimate._replay_started``, or once captured) leaves no process behind: the replay's child
+    is killed and reaped (``forked.Started.cancel``)."""
     import os
 
     from estimator.devices import cuda, cuda_run
@@ -220,20 +222,24 @@ def test_a_report_that_fails_stops_its_started_replay(monkeypatch):
     monkeypatch.setattr(cuda_run, "FORK_OPS", 0)
     monkeypatch.setattr(cuda, "FORK_OPS", 0)
     started = []
-    real = estimate._replay_started
+    start = cuda.predict_started
 
-    def spy(checked, early, raw, seq):
-        real(checked, early, raw, seq)
-        started.extend(replay.pid for replay in early)
+    def spy(*args):
+        replay = start(*args)
+        started.append(replay.pid)
+        return replay
+
+    monkeypatch.setattr(cuda, "predict_started", spy)
+    if not early:
+        monkeypatch.setattr(estimate, "_replay_started", lambda *args: None)
 
     def fails(*args, **kwargs):
         raise RuntimeError("after the capture")
 
-    monkeypatch.setattr(estimate, "_replay_started", spy)
     monkeypatch.setattr(estimate, "result", fails)
     with pytest.raises(RuntimeError, match="after the capture"):
         estimator.report(nn.Linear(8, 8), torch.randn(4, 8), device="cuda")
-    assert len(started) == int(forking.can_fork())
-    for pid in started:
+    assert len(started) == 1 and (started[0] is not None) == forking.can_fork()
+    for pid in filter(None, started):
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # killed and reaped already

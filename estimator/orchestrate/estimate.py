@@ -80,9 +80,14 @@ def estimate_each(requests: Mapping[str, Request], workers: int | None = None) -
 
 def _report(checked: Checked, formula: Formula | None = None) -> Report:
     """``result`` of ``checked``'s captured step (and, with a mesh, of one rank of each role)."""
-    early: list[forked.Started[CudaMemory]] = []  # the allocator's replay, where started before the accounting
+    # the allocator's replay: started before the accounting where it is long (_replay_started), else once captured
+    early: list[forked.Started[CudaMemory]] = []
     try:
         captured = capture_step(checked, formula, functools.partial(_replay_started, checked, early))
+        spec = checked.spec
+        if not early and spec.target.is_cuda and not checked.strategy.distributed:  # beside the rest of the report
+            early.append(cuda.predict_started(lambda: captured.at_batch, len(captured.at_batch.ops), checked.batch,
+                                              spec.target))
         return _with_roles(checked, captured, early[0] if early else None)
     except BaseException:  # no result will be asked for: the replay's process stopped
         for replay in early:
@@ -128,14 +133,11 @@ def result(checked: Checked, captured: Captured, roles: Mapping[tuple[int, ...],
            replay: forked.Started[CudaMemory] | None = None) -> Report:
     """The report of the request ``checked`` from its captured step: one device's, or every
     rank's (with a mesh: ``roles``, the steps of the other ranks' roles, by their ranks);
-    ``replay``: one device's allocator replay, where started already (``_replay_started``)."""
+    ``replay``: one device's allocator replay, started already (``_report``; None: ``_assemble`` starts it)."""
     spec, strategy, model, batch = checked.spec, checked.strategy, checked.model, checked.batch
     if batch % captured.multiple:
         raise InputError(f"your pipeline schedule splits the batch into {captured.multiple} micro-batches: the batch "
                          f"must be a multiple of {captured.multiple}, got {batch}")
-    # the allocator's replay (seconds for a long generate()) beside what follows, in a forked process
-    if replay is None and spec.target.is_cuda and not strategy.distributed:
-        replay = cuda.predict_started(lambda: captured.at_batch, len(captured.at_batch.ops), batch, spec.target)
     notes = [*checked.notes, *captured.notes]
     if spec.target.is_cuda:  # what is not modelled, and the estimated items with their size
         ran = {op.op for op in captured.timeline.ops} | {site.op for site in captured.data_dependent}
